@@ -1,0 +1,548 @@
+"""Latency profiles: what one model measured on one machine, ``L[t, b]`` in milliseconds.
+
+A profile is the optimizer's only input about the world. It records, for each
+measured pair (threads ``t``, batch ``b``), the latency of one instance running
+a batch of ``b`` requests on ``t`` pinned cores, plus the machine it was measured
+on, because a profile from a 16-core server stays valid for planning that
+server from a 2-core laptop.
+
+Profiles are pretty-printed JSON (``Profile.save``/``Profile.load``) so that
+they diff well in review; ``Profile.from_csv`` imports measurements made
+elsewhere. Every problem with the data surfaces as ``ProfileError`` with a
+message that names the file, line or entry at fault.
+"""
+from __future__ import annotations
+
+import csv
+import importlib.metadata
+import json
+import math
+import os
+import re
+import socket
+import tempfile
+from collections.abc import Iterable, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Literal, NamedTuple
+
+import numpy as np
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from packrat_mq.instances import Configuration, ConfigurationError
+
+#: Bumped when a change to the JSON layout would make older code misread a file.
+FORMAT_VERSION = 1
+
+#: Columns ``Profile.from_csv`` needs; any other column is ignored.
+CSV_COLUMNS = ("threads", "batch_size", "latency_ms")
+
+_MODEL_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+class ProfileError(ValueError):
+    """A profile that is missing, unreadable or inconsistent."""
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+class MachineInfo(BaseModel):
+    """The machine a profile was measured on; every field may be unknown (CSV imports)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    cpu_model: str | None = None
+    sockets: int | None = Field(default=None, ge=1)
+    physical_cores: int | None = Field(default=None, ge=1)
+    logical_cpus: int | None = Field(default=None, ge=1)
+    torch_version: str | None = None
+    hostname: str | None = None
+    date: str | None = None
+
+    @classmethod
+    def current(cls) -> MachineInfo:
+        """Describe this machine without importing torch (its import costs seconds)."""
+        cpu_model, sockets, physical = _cpu_topology()
+        if physical is None:
+            try:
+                import psutil
+
+                physical = psutil.cpu_count(logical=False)
+            except ImportError:  # psutil is a core dependency, but the reading must not fail
+                physical = None
+        try:
+            torch_version: str | None = importlib.metadata.version("torch")
+        except importlib.metadata.PackageNotFoundError:
+            torch_version = None
+        return cls(
+            cpu_model=cpu_model,
+            sockets=sockets,
+            physical_cores=physical,
+            logical_cpus=os.cpu_count(),
+            torch_version=torch_version,
+            hostname=socket.gethostname(),
+            date=_now(),
+        )
+
+    def summary(self) -> str:
+        """One line for humans, e.g. ``Intel Xeon ... 2 sockets, 32 cores, 64 CPUs``."""
+        parts = [self.cpu_model or "unknown CPU"]
+        if self.sockets:
+            parts.append(f"{self.sockets} socket{'s' if self.sockets > 1 else ''}")
+        if self.physical_cores:
+            parts.append(f"{self.physical_cores} cores")
+        if self.logical_cpus:
+            parts.append(f"{self.logical_cpus} CPUs")
+        if self.torch_version:
+            parts.append(f"torch {self.torch_version}")
+        if self.hostname:
+            parts.append(f"on {self.hostname}")
+        return ", ".join(parts)
+
+
+def _cpu_topology() -> tuple[str | None, int | None, int | None]:
+    """(cpu model, sockets, physical cores) from /proc/cpuinfo, else /sys topology; None if unknown."""
+    model: str | None = None
+    packages: set[str] = set()
+    cores: set[tuple[str, str]] = set()
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    for block in text.split("\n\n"):
+        fields: dict[str, str] = {}
+        for line in block.splitlines():
+            key, sep, value = line.partition(":")
+            if sep:
+                fields[key.strip()] = value.strip()
+        model = model or fields.get("model name") or fields.get("Model") or None
+        if "physical id" in fields and "core id" in fields:
+            packages.add(fields["physical id"])
+            cores.add((fields["physical id"], fields["core id"]))
+    if not cores:  # e.g. ARM kernels omit physical/core id from cpuinfo
+        for cpu in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/topology"):
+            try:
+                pkg = (cpu / "physical_package_id").read_text().strip()
+                core = (cpu / "core_id").read_text().strip()
+            except OSError:
+                continue
+            packages.add(pkg)
+            cores.add((pkg, core))
+    return model, (len(packages) or None), (len(cores) or None)
+
+
+class ProfileEntry(BaseModel):
+    """One measured point: ``threads`` cores running a batch of ``batch`` requests.
+
+    Only ``threads``, ``batch`` and ``mean_ms`` are required, so a CSV with a single
+    latency column imports; the profiler fills in the distribution as well.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    threads: int = Field(ge=1)
+    batch: int = Field(ge=1)
+    mean_ms: float = Field(gt=0, allow_inf_nan=False)
+    p50_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    p99_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    min_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    max_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    std_ms: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    iterations: int | None = Field(default=None, ge=1)
+
+
+class Calibration(BaseModel):
+    """A configuration that was run end to end, to compare prediction with reality.
+
+    Filled by the optimizer's calibration step; ``spread_ms`` is the standard
+    deviation of the measured batch latency.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    configuration: str
+    threads: int = Field(ge=1, description="Core budget T the configuration was planned for.")
+    batch: int = Field(ge=1, description="Aggregated batch B.")
+    predicted_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    measured_p50_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    measured_mean_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    measured_p99_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    spread_ms: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    date: str | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Calibration:
+        try:
+            config = Configuration.parse(self.configuration)
+        except ConfigurationError as exc:
+            raise ProfileError(f"calibration {self.configuration!r}: {exc}") from None
+        if config.batch != self.batch:
+            raise ProfileError(
+                f"calibration {self.configuration!r} serves batch {config.batch}, not {self.batch}"
+            )
+        if config.threads > self.threads:
+            raise ProfileError(
+                f"calibration {self.configuration!r} uses {config.threads} threads, "
+                f"more than its budget of {self.threads}"
+            )
+        return self
+
+
+class LatencyTable(NamedTuple):
+    """``latency_ms[i, j]`` is L at ``threads[i]``, ``batches[j]``; NaN where not measured.
+
+    ``threads`` and ``batches`` are sorted, unique, positive int64 arrays; the
+    arrays of a table from ``Profile.table`` are read-only because they are cached.
+    """
+
+    threads: np.ndarray
+    batches: np.ndarray
+    latency_ms: np.ndarray
+
+
+def as_table(threads: Sequence[int] | np.ndarray, batches: Sequence[int] | np.ndarray,
+             latency_ms: Sequence[Sequence[float]] | np.ndarray) -> LatencyTable:
+    """Check and normalise raw arrays into a ``LatencyTable`` (sorted axes, float64, read-only).
+
+    NaN or +inf marks an unmeasured point; anything else must be a positive latency.
+    """
+    t = np.asarray(threads)
+    b = np.asarray(batches)
+    lat = np.asarray(latency_ms, dtype=np.float64)
+    for name, axis in (("threads", t), ("batches", b)):
+        if axis.ndim != 1 or axis.size == 0:
+            raise ProfileError(f"{name} must be a non-empty 1-D array, got shape {axis.shape}")
+        if not np.issubdtype(axis.dtype, np.integer):
+            if not (np.issubdtype(axis.dtype, np.floating) and np.all(axis == np.round(axis))):
+                raise ProfileError(f"{name} must be integers, got {axis.tolist()}")
+        if np.any(axis < 1):
+            raise ProfileError(f"{name} must all be >= 1, got {axis.tolist()}")
+        if np.unique(axis).size != axis.size:
+            raise ProfileError(f"{name} has duplicates: {axis.tolist()}")
+    if lat.shape != (t.size, b.size):
+        raise ProfileError(
+            f"latency table has shape {lat.shape}, expected (len(threads), len(batches)) = "
+            f"{(t.size, b.size)}"
+        )
+    measured = ~np.isnan(lat)
+    if np.any(lat[measured] <= 0) or np.any(np.isneginf(lat)):
+        raise ProfileError("latencies must be positive (NaN marks an unmeasured point)")
+    if not np.any(np.isfinite(lat)):
+        raise ProfileError("latency table has no measured point")
+    ti, bi = np.argsort(t, kind="stable"), np.argsort(b, kind="stable")
+    table = LatencyTable(
+        t[ti].astype(np.int64), b[bi].astype(np.int64), np.ascontiguousarray(lat[np.ix_(ti, bi)])
+    )
+    for arr in table:
+        arr.setflags(write=False)
+    return table
+
+
+class Profile(BaseModel):
+    """The latency profile of one model in one mode on one machine.
+
+    ``entries`` is a tuple of frozen entries, kept sorted by (threads, batch), so
+    that ``table()`` can cache its arrays safely: any change goes through
+    ``upsert``/``merge`` or assigns a new tuple, which invalidates the cache.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    format_version: int = FORMAT_VERSION
+    model: str
+    mode: Literal["eager", "graph"] = "eager"
+    machine: MachineInfo | None = None
+    entries: tuple[ProfileEntry, ...] = ()
+    calibrations: list[Calibration] = Field(default_factory=list)
+
+    _table: tuple[tuple[ProfileEntry, ...], LatencyTable] | None = PrivateAttr(default=None)
+
+    @field_validator("format_version")
+    @classmethod
+    def _known_version(cls, v: int) -> int:
+        if v < 1 or v > FORMAT_VERSION:
+            raise ProfileError(
+                f"format_version {v} is not understood by this packrat-mq "
+                f"(it reads 1..{FORMAT_VERSION}); upgrade packrat-mq or re-profile"
+            )
+        return v
+
+    @field_validator("model")
+    @classmethod
+    def _model_name(cls, v: str) -> str:
+        if not _MODEL_NAME.match(v):
+            raise ProfileError(f"model name {v!r} must match {_MODEL_NAME.pattern}")
+        return v
+
+    @field_validator("entries")
+    @classmethod
+    def _sorted_unique(cls, v: tuple[ProfileEntry, ...]) -> tuple[ProfileEntry, ...]:
+        entries = tuple(sorted(v, key=lambda e: (e.threads, e.batch)))
+        for prev, cur in zip(entries, entries[1:]):
+            if (prev.threads, prev.batch) == (cur.threads, cur.batch):
+                raise ProfileError(
+                    f"two entries for threads={cur.threads}, batch={cur.batch}; "
+                    f"keep one (Profile.upsert replaces)"
+                )
+        return entries
+
+    # ----------------------------------------------------------------- files
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Profile:
+        """Read a profile saved by ``save`` (or written by hand)."""
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ProfileError(f"no profile at {path}") from None
+        except OSError as exc:
+            raise ProfileError(f"cannot read profile {path}: {exc.strerror or exc}") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ProfileError(f"{path}: not valid JSON (line {exc.lineno}: {exc.msg})") from None
+        if not isinstance(data, dict):
+            raise ProfileError(f"{path}: expected a JSON object, got {type(data).__name__}")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ProfileError(f"{path}: {_explain(exc, data)}") from None
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write pretty JSON atomically (temp file + rename) so a crash never leaves half a file."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = self.model_dump_json(indent=2, exclude_none=True) + "\n"
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+    @classmethod
+    def from_csv(
+        cls,
+        path: str | os.PathLike[str],
+        model: str | None = None,
+        *,
+        mode: Literal["eager", "graph"] = "eager",
+        duplicates: Literal["mean", "error"] = "mean",
+    ) -> Profile:
+        """Import ``threads,batch_size,latency_ms`` rows (header required, other columns ignored).
+
+        Repeated (threads, batch_size) rows are averaged by default, because a
+        CSV usually collects repeated runs of the same measurement; pass
+        ``duplicates="error"`` to reject them instead. ``model`` defaults to the
+        file's stem.
+        """
+        path = Path(path)
+        model = model if model is not None else path.stem
+        try:
+            f = path.open(newline="", encoding="utf-8-sig")
+        except FileNotFoundError:
+            raise ProfileError(f"no CSV file at {path}") from None
+        except OSError as exc:
+            raise ProfileError(f"cannot read {path}: {exc.strerror or exc}") from None
+        rows: dict[tuple[int, int], list[float]] = {}
+        first_line: dict[tuple[int, int], int] = {}
+        with f:
+            reader = csv.reader(f)
+            header = next((r for r in reader if any(c.strip() for c in r)), None)
+            if header is None:
+                raise ProfileError(f"{path}: empty file; expected a header {','.join(CSV_COLUMNS)}")
+            names = [c.strip().lower() for c in header]
+            missing = [c for c in CSV_COLUMNS if c not in names]
+            if missing:
+                raise ProfileError(
+                    f"{path} line {reader.line_num}: header lacks {', '.join(missing)}; "
+                    f"expected columns {','.join(CSV_COLUMNS)} (found: {','.join(names)})"
+                )
+            col = {c: names.index(c) for c in CSV_COLUMNS}
+            for row in reader:
+                if not any(c.strip() for c in row):
+                    continue
+                where = f"{path} line {reader.line_num}"
+                values = {}
+                for name, i in col.items():
+                    if i >= len(row) or not row[i].strip():
+                        raise ProfileError(f"{where}: no value for {name}")
+                    values[name] = row[i].strip()
+                t = _positive_int(values["threads"], "threads", where)
+                b = _positive_int(values["batch_size"], "batch_size", where)
+                try:
+                    lat = float(values["latency_ms"])
+                except ValueError:
+                    raise ProfileError(
+                        f"{where}: latency_ms must be a number, got {values['latency_ms']!r}"
+                    ) from None
+                if not math.isfinite(lat) or lat <= 0:
+                    raise ProfileError(f"{where}: latency_ms must be positive and finite, got {lat}")
+                key = (t, b)
+                if key in rows and duplicates == "error":
+                    raise ProfileError(
+                        f"{where}: duplicate threads={t}, batch_size={b} "
+                        f"(first on line {first_line[key]})"
+                    )
+                rows.setdefault(key, []).append(lat)
+                first_line.setdefault(key, reader.line_num)
+        if not rows:
+            raise ProfileError(f"{path}: header but no data rows")
+        entries = tuple(
+            ProfileEntry(threads=t, batch=b, mean_ms=sum(v) / len(v)) for (t, b), v in rows.items()
+        )
+        try:
+            return cls(model=model, mode=mode, entries=entries)
+        except ValidationError as exc:
+            raise ProfileError(f"{path}: {_explain(exc)}") from None
+
+    # ------------------------------------------------------------ the table
+
+    def table(self) -> LatencyTable:
+        """``(threads, batches, L)`` with NaN where not measured; cached until the entries change."""
+        cached = self._table
+        if cached is not None and cached[0] is self.entries:
+            return cached[1]
+        if not self.entries:
+            raise ProfileError(f"profile {self.model!r} has no entries")
+        entries = self.entries
+        threads = np.unique(np.fromiter((e.threads for e in entries), np.int64, len(entries)))
+        batches = np.unique(np.fromiter((e.batch for e in entries), np.int64, len(entries)))
+        lat = np.full((threads.size, batches.size), np.nan, dtype=np.float64)
+        ti = np.searchsorted(threads, [e.threads for e in entries])
+        bi = np.searchsorted(batches, [e.batch for e in entries])
+        lat[ti, bi] = [e.mean_ms for e in entries]
+        table = LatencyTable(threads, batches, lat)
+        for arr in table:
+            arr.setflags(write=False)
+        self._table = (entries, table)
+        return table
+
+    def entry(self, threads: int, batch: int) -> ProfileEntry | None:
+        """The measurement at (threads, batch), or None; the profiler uses it to resume."""
+        for e in self.entries:
+            if e.threads == threads and e.batch == batch:
+                return e
+        return None
+
+    def latency(self, threads: int, batch: int) -> float:
+        """Measured mean latency in ms at (threads, batch); KeyError if not measured."""
+        e = self.entry(threads, batch)
+        if e is None:
+            raise KeyError(f"profile {self.model!r} has no measurement for threads={threads}, batch={batch}")
+        return e.mean_ms
+
+    @property
+    def max_threads(self) -> int:
+        """Largest profiled thread count (0 for an empty profile)."""
+        return max((e.threads for e in self.entries), default=0)
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        return sorted({e.batch for e in self.entries})
+
+    # -------------------------------------------------------------- updates
+
+    def upsert(self, entries: ProfileEntry | Iterable[ProfileEntry]) -> None:
+        """Add measurements, replacing any earlier one at the same (threads, batch)."""
+        new = [entries] if isinstance(entries, ProfileEntry) else list(entries)
+        by_key = {(e.threads, e.batch): e for e in self.entries}
+        by_key.update({(e.threads, e.batch): e for e in new})
+        self.entries = tuple(by_key.values())
+
+    def merge(self, other: Profile) -> None:
+        """Take ``other``'s entries (they win on conflicts) and calibrations; same model and mode only."""
+        if (other.model, other.mode) != (self.model, self.mode):
+            raise ProfileError(
+                f"cannot merge profile of {other.model!r} ({other.mode}) into "
+                f"{self.model!r} ({self.mode})"
+            )
+        self.upsert(other.entries)
+        self.calibrations = [*self.calibrations, *other.calibrations]
+        if self.machine is None:
+            self.machine = other.machine
+
+
+def _positive_int(text: str, name: str, where: str) -> int:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value.is_integer() or value < 1:
+        raise ProfileError(f"{where}: {name} must be a positive integer, got {text!r}")
+    return int(value)
+
+
+def _explain(exc: ValidationError, data: object = None) -> str:
+    """Turn pydantic's report into ``entries[3] (threads=4, batch=8): mean_ms must be > 0``-style lines."""
+    lines = []
+    for err in exc.errors():
+        loc = list(err.get("loc", ()))
+        where = ".".join(str(p) for p in loc) or "profile"
+        if len(loc) >= 2 and loc[0] == "entries" and isinstance(loc[1], int):
+            where = f"entries[{loc[1]}]"
+            try:
+                raw = data["entries"][loc[1]]  # type: ignore[index]
+                where += f" (threads={raw.get('threads')}, batch={raw.get('batch')})"
+            except (TypeError, KeyError, IndexError, AttributeError):
+                pass
+            if len(loc) > 2:
+                where += "." + ".".join(str(p) for p in loc[2:])
+        msg = err.get("msg", "invalid")
+        if "ctx" in err and isinstance(err["ctx"].get("error"), ProfileError):
+            msg = str(err["ctx"]["error"])
+        elif msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        lines.append(f"{where}: {msg}")
+    return "; ".join(lines)
+
+
+def default_profile_dirs() -> list[Path]:
+    """Where model names are looked up: ./profiles, then the repository's profiles/."""
+    dirs = [Path.cwd() / "profiles", Path(__file__).resolve().parent.parent / "profiles"]
+    unique: list[Path] = []
+    for d in dirs:
+        if d.resolve() not in [u.resolve() for u in unique]:
+            unique.append(d)
+    return unique
+
+
+def resolve_profile_path(
+    name_or_path: str | os.PathLike[str], search_dirs: Sequence[Path] | None = None
+) -> Path:
+    """An existing file path as given, else a model name resolved to ``profiles/<model>.json``."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    text = str(name_or_path)
+    dirs = list(search_dirs) if search_dirs is not None else default_profile_dirs()
+    looks_like_path = os.sep in text or "/" in text or text.endswith(".json")
+    if not looks_like_path and _MODEL_NAME.match(text):
+        for d in dirs:
+            candidate = d / f"{text}.json"
+            if candidate.is_file():
+                return candidate
+    if looks_like_path:
+        raise ProfileError(f"no profile file at {path}")
+    known = sorted({p.stem for d in dirs if d.is_dir() for p in d.glob("*.json")})
+    raise ProfileError(
+        f"no profile for model {text!r} in {', '.join(str(d) for d in dirs)}"
+        + (f" (available: {', '.join(known)})" if known else " (no profiles there yet)")
+    )

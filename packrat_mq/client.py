@@ -1,0 +1,179 @@
+"""The Python client: submit requests and gather their replies.
+
+It speaks the documented wire format and nothing more, so any other Redis
+client can do the same. Each client owns one reply stream
+(``<prefix>:replies:<client id>``), reads it with XREAD and deletes what it
+has read; replies for other outstanding requests that arrive while waiting
+for one are kept until asked for.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from packrat_mq import protocol
+from packrat_mq.keys import Keys
+
+
+class ReplyTimeout(TimeoutError):
+    """No reply within the timeout; the request may still be served later."""
+
+
+@dataclass
+class Reply:
+    """One reply, decoded."""
+
+    id: str
+    status: str
+    payload: bytes
+    content_type: str
+    error: str
+    queue_ms: float
+    inference_ms: float
+    fields: dict[str, str]
+    received_at: float = 0.0
+    sent_at: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == protocol.OK
+
+    @property
+    def latency_ms(self) -> float | None:
+        """Client-side time from send to receipt (for replies gathered by this client)."""
+        return (self.received_at - self.sent_at) * 1000.0 if self.sent_at else None
+
+    def value(self) -> Any:
+        """The decoded payload; raises ``RuntimeError`` for an error reply."""
+        if not self.ok:
+            raise RuntimeError(f"request {self.id} failed: {self.error}")
+        return protocol.decode_payload(self.content_type, self.payload)
+
+    @classmethod
+    def from_fields(cls, fields: dict[bytes, bytes]) -> Reply:
+        text = {k.decode(): v.decode("utf-8", "replace") for k, v in fields.items() if k != b"payload"}
+        return cls(
+            id=text.get("id", ""),
+            status=text.get("status", protocol.ERROR),
+            payload=fields.get(b"payload", b""),
+            content_type=text.get("content_type", protocol.JSON),
+            error=text.get("error", ""),
+            queue_ms=float(text.get("queue_ms") or 0.0),
+            inference_ms=float(text.get("inference_ms") or 0.0),
+            fields=text,
+            received_at=time.time(),
+        )
+
+
+class Client:
+    """Submits requests for models and waits for their replies."""
+
+    def __init__(self, r: redis.Redis | str, *, prefix: str = "packrat", client_id: str | None = None) -> None:
+        if isinstance(r, str):
+            from packrat_mq.connection import connect
+
+            r = connect(r)
+        self.r = r
+        self.keys = Keys(prefix)
+        self.client_id = client_id or uuid.uuid4().hex
+        self.reply_to = self.keys.replies(self.client_id)
+        self._last_id = b"0-0"
+        self._buffer: dict[str, Reply] = {}
+        self._sent_at: dict[str, float] = {}
+
+    # --- sending ----------------------------------------------------------
+    def _fields(
+        self, data: Any, content_type: str | None, timeout_s: float | None, request_id: str | None
+    ) -> tuple[str, dict[str, Any]]:
+        if content_type is None:
+            payload, content_type = protocol.encode_payload(data)
+        else:
+            payload = data if isinstance(data, bytes) else protocol.encode_payload(data)[0]
+        rid = request_id or uuid.uuid4().hex
+        deadline = int((time.time() + timeout_s) * 1000) if timeout_s else None
+        return rid, protocol.request_fields(rid, self.reply_to, payload, content_type, deadline)
+
+    def send(
+        self,
+        model: str,
+        data: Any,
+        *,
+        content_type: str | None = None,
+        deadline_s: float | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue one request; returns its id. ``deadline_s``: give up after this long."""
+        rid, fields = self._fields(data, content_type, deadline_s, request_id)
+        self._sent_at[rid] = time.time()
+        self.r.xadd(self.keys.requests(model), fields)
+        return rid
+
+    def send_many(
+        self, model: str, items: Iterable[Any], *, content_type: str | None = None, deadline_s: float | None = None
+    ) -> list[str]:
+        """Queue many requests in one round trip; returns their ids in order."""
+        pipe = self.r.pipeline(transaction=False)
+        ids = []
+        now = time.time()
+        for data in items:
+            rid, fields = self._fields(data, content_type, deadline_s, None)
+            ids.append(rid)
+            self._sent_at[rid] = now
+            pipe.xadd(self.keys.requests(model), fields)
+        pipe.execute()
+        return ids
+
+    # --- receiving --------------------------------------------------------
+    def gather(self, ids: Sequence[str], timeout: float = 30.0) -> list[Reply]:
+        """Wait for the replies to ``ids``; returns them in the order of ``ids``."""
+        wanted = set(ids)
+        deadline = time.monotonic() + timeout
+        while not wanted.issubset(self._buffer):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = len(wanted - set(self._buffer))
+                raise ReplyTimeout(f"{missing} of {len(wanted)} replies not received within {timeout:.1f} s")
+            self._poll(block_ms=max(1, int(min(remaining, 1.0) * 1000)))
+        replies = [self._buffer.pop(i) for i in ids]
+        for rep in replies:
+            rep.sent_at = self._sent_at.pop(rep.id, 0.0)
+        return replies
+
+    def _poll(self, block_ms: int) -> None:
+        resp = self.r.xread({self.reply_to: self._last_id}, count=1000, block=block_ms)
+        if not resp:
+            return
+        entries = resp[0][1]
+        for entry_id, fields in entries:
+            rep = Reply.from_fields(fields)
+            self._buffer[rep.id] = rep
+        self._last_id = entries[-1][0]
+        # Read replies are deleted: the stream holds only what is unread.
+        self.r.xdel(self.reply_to, *(e for e, _ in entries))
+
+    def submit(
+        self,
+        model: str,
+        data: Any,
+        *,
+        content_type: str | None = None,
+        timeout: float = 30.0,
+        deadline_s: float | None = None,
+    ) -> Reply:
+        """Send one request and wait for its reply."""
+        rid = self.send(model, data, content_type=content_type, deadline_s=deadline_s)
+        return self.gather([rid], timeout=timeout)[0]
+
+    def submit_many(
+        self, model: str, items: Iterable[Any], *, content_type: str | None = None, timeout: float = 60.0
+    ) -> list[Reply]:
+        """Send many requests at once and wait for all replies (in order)."""
+        return self.gather(self.send_many(model, items, content_type=content_type), timeout=timeout)
+
+    def close(self) -> None:
+        self.r.delete(self.reply_to)

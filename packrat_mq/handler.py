@@ -1,0 +1,226 @@
+"""The handler contract, as TorchServe users know it.
+
+A handler is created once per worker instance; ``initialize(context)`` loads
+the model, then every sub-batch goes ``preprocess -> inference ->
+postprocess``. The framework (``run_batch``), not each handler, enforces the
+contract: the output list must be as long as the input, a per-request
+``validate`` failure rejects that request only, and an exception anywhere
+else fails that batch only, each request getting an error reply.
+
+``torch`` is imported lazily so that handlers that do not need it (``echo``,
+``sleep``) start in milliseconds and the dispatcher never loads it.
+"""
+from __future__ import annotations
+
+import importlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class BadRequest(ValueError):
+    """Raised for one request whose input the model cannot take.
+
+    The message is sent to the producer as the reply's ``error`` field, so it
+    should say what was wrong and what is expected.
+    """
+
+
+@dataclass
+class Context:
+    """What a handler may need to know about the instance it runs in."""
+
+    model_name: str
+    instance_id: str = "i0"
+    threads: int = 1
+    cores: tuple[int, ...] = ()
+    batch_size: int = 1
+    graph_mode: bool = False
+    model_dir: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Input:
+    """One request as the handler sees it: the decoded payload and its type."""
+
+    id: str
+    data: Any
+    content_type: str
+
+
+class BaseHandler:
+    """Base class for handlers; override what your model needs.
+
+    - ``load_model(context)`` returns the ``torch.nn.Module`` (or any callable).
+    - ``example_batch(n)`` returns an input batch of ``n`` for warm-up,
+      TorchScript tracing and profiling.
+    - ``validate(item)`` raises :class:`BadRequest` for an input the model
+      cannot take (checked per request, before batching).
+    - ``preprocess(items)`` turns a list of inputs into the model's batch.
+    - ``inference(batch)`` runs the model under ``torch.inference_mode()``.
+    - ``postprocess(output)`` returns one JSON-able value, ``numpy`` array or
+      ``bytes`` per request.
+    """
+
+    #: Whether ``initialize`` may TorchScript-trace this handler's model.
+    traceable: bool = True
+
+    def __init__(self) -> None:
+        self.context: Context | None = None
+        self.model: Any = None
+        self.initialized = False
+
+    # --- lifecycle ----------------------------------------------------
+    def initialize(self, context: Context) -> None:
+        self.context = context
+        self.model = self.load_model(context)
+        if hasattr(self.model, "eval"):
+            self.model.eval()
+        if context.graph_mode and self.traceable:
+            self.model = self._trace(self.model)
+        self.initialized = True
+
+    def load_model(self, context: Context) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError(f"{type(self).__name__} must implement load_model()")
+
+    def example_batch(self, n: int) -> list[Input]:  # pragma: no cover - abstract
+        raise NotImplementedError(f"{type(self).__name__} must implement example_batch()")
+
+    # --- per batch ----------------------------------------------------
+    def validate(self, item: Input) -> None:
+        """Reject a single request (raise :class:`BadRequest`); default accepts all."""
+
+    def preprocess(self, items: list[Input]) -> Any:
+        return [item.data for item in items]
+
+    def inference(self, batch: Any) -> Any:
+        import torch
+
+        with torch.inference_mode():
+            return self._call_model(batch)
+
+    def _call_model(self, batch: Any) -> Any:
+        if isinstance(batch, dict):
+            return self.model(**batch)
+        if isinstance(batch, (tuple, list)):
+            return self.model(*batch)
+        return self.model(batch)
+
+    def postprocess(self, output: Any) -> list[Any]:
+        return list(output)
+
+    def handle(self, items: list[Input]) -> list[Any]:
+        return self.postprocess(self.inference(self.preprocess(items)))
+
+    # --- graph mode ---------------------------------------------------
+    def _trace(self, model: Any) -> Any:
+        """TorchScript trace + freeze on an example batch of the serving size."""
+        import torch
+
+        n = self.context.batch_size if self.context else 1
+        batch = self.preprocess(self.example_batch(n))
+        args = tuple(batch.values()) if isinstance(batch, dict) else batch
+        if not isinstance(args, tuple):
+            args = (args,)
+        with torch.inference_mode(False), torch.no_grad():
+            traced = torch.jit.trace(model, args, strict=False, check_trace=False)
+            traced = torch.jit.freeze(traced.eval())
+        if isinstance(batch, dict):
+            return _KwargsToPositional(traced, list(batch.keys()))
+        return traced
+
+
+class _KwargsToPositional:
+    """Calls a traced module positionally with the keyword batch it was traced on."""
+
+    def __init__(self, traced: Any, names: list[str]) -> None:
+        self.traced, self.names = traced, names
+
+    def __call__(self, **kwargs: Any) -> Any:
+        return self.traced(*(kwargs[n] for n in self.names))
+
+    def eval(self) -> _KwargsToPositional:
+        return self
+
+
+@dataclass
+class Outcome:
+    """Result of one request in a batch: a value or an error message."""
+
+    value: Any = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass
+class BatchResult:
+    outcomes: list[Outcome]
+    inference_ms: float
+
+
+def run_batch(handler: BaseHandler, items: list[Input]) -> BatchResult:
+    """Run one sub-batch through ``handler`` and enforce the contract.
+
+    Requests that fail ``validate`` are answered with their own error and left
+    out of the batch; the others run together. A handler exception or a
+    wrong-length output fails every request of that batch and nothing else.
+    """
+    outcomes: list[Outcome | None] = [None] * len(items)
+    valid: list[int] = []
+    for i, item in enumerate(items):
+        try:
+            handler.validate(item)
+        except Exception as exc:  # noqa: BLE001 - any rejection is the producer's to read
+            outcomes[i] = Outcome(error=_describe(exc))
+        else:
+            valid.append(i)
+    start = time.perf_counter()
+    if valid:
+        try:
+            results = handler.handle([items[i] for i in valid])
+            if not isinstance(results, (list, tuple)) or len(results) != len(valid):
+                got = len(results) if isinstance(results, (list, tuple)) else type(results).__name__
+                raise RuntimeError(
+                    f"handler {type(handler).__name__} returned {got} results for a batch of "
+                    f"{len(valid)}; it must return a list as long as its input"
+                )
+            for i, value in zip(valid, results):
+                outcomes[i] = Outcome(error=_describe(value)) if isinstance(value, Exception) else Outcome(value=value)
+        except Exception as exc:  # noqa: BLE001 - the batch fails, the worker lives on
+            message = f"inference failed for this batch: {_describe(exc)}"
+            for i in valid:
+                outcomes[i] = Outcome(error=message)
+    elapsed = (time.perf_counter() - start) * 1000.0
+    return BatchResult(outcomes=[o or Outcome(error="no result") for o in outcomes], inference_ms=elapsed)
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return text if isinstance(exc, BadRequest) else f"{type(exc).__name__}: {text}"
+
+
+def load_handler(spec: str) -> BaseHandler:
+    """Instantiate a handler from a zoo name (``resnet50``) or ``module:Class``."""
+    from packrat_mq.zoo import ZOO
+
+    path = ZOO.get(spec, spec)
+    if ":" not in path:
+        known = ", ".join(sorted(ZOO))
+        raise ValueError(f"unknown model {spec!r}: use one of {known} or an import path module:Class")
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import handler module {module_name!r}: {exc}") from exc
+    try:
+        cls = getattr(module, attr)
+    except AttributeError as exc:
+        raise ValueError(f"module {module_name!r} has no handler {attr!r}") from exc
+    handler = cls()
+    if not isinstance(handler, BaseHandler):
+        raise ValueError(f"{path} is not a packrat_mq.handler.BaseHandler subclass")
+    return handler

@@ -1,0 +1,71 @@
+"""Every Redis key and group name packrat-mq uses, built from one prefix.
+
+Keys follow ``<prefix>:<kind>:<name...>``. Nothing else in the code base
+formats a key by hand, so a different prefix (several deployments sharing
+one Redis) or a renamed kind is a one-line change here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Consumer group the dispatcher of a model reads the request stream with.
+DISPATCHER_GROUP = "dispatchers"
+#: Consumer group a worker instance reads its own queue with.
+WORKER_GROUP = "workers"
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key builder for one prefix (default ``packrat``)."""
+
+    prefix: str = "packrat"
+
+    def _key(self, kind: str, *names: str) -> str:
+        return ":".join((self.prefix, kind, *names))
+
+    # --- request path -------------------------------------------------
+    def requests(self, model: str) -> str:
+        """Stream producers XADD requests to; its length is the backlog."""
+        return self._key("requests", model)
+
+    def queue(self, model: str, instance_id: str) -> str:
+        """Stream of sub-batches for one worker instance."""
+        return self._key("queue", model, instance_id)
+
+    def wakeup(self, model: str) -> str:
+        """List a worker pushes a token to when it finishes a sub-batch.
+
+        The dispatcher blocks on it (BLPOP) while every instance is busy,
+        instead of polling queue lengths.
+        """
+        return self._key("wakeup", model)
+
+    def replies(self, client_id: str) -> str:
+        """Default reply stream of one client (any stream key may be used)."""
+        return self._key("replies", client_id)
+
+    # --- control plane ------------------------------------------------
+    def config(self, model: str) -> str:
+        """JSON document: the configuration a model is served with now."""
+        return self._key("config", model)
+
+    def instance(self, model: str, instance_id: str) -> str:
+        """Hash describing one running instance (pid, cores, heartbeat)."""
+        return self._key("instance", model, instance_id)
+
+    def stats(self, model: str) -> str:
+        """Hash of counters (requests, batches, rejected, errors)."""
+        return self._key("stats", model)
+
+    def profile_result(self, model: str, node: str) -> str:
+        """Profile JSON written by an enqueued (RQ) profiling job."""
+        return self._key("profile", model, node)
+
+    # --- discovery indexes (one set per kind) -------------------------
+    def models(self) -> str:
+        """Set of model names being served."""
+        return self._key("index", "models")
+
+    def instances(self, model: str) -> str:
+        """Set of instance ids of one model."""
+        return self._key("index", "instances", model)

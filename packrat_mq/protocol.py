@@ -1,0 +1,257 @@
+"""The wire format: requests, sub-batches and replies as Redis stream fields.
+
+Any Redis client can produce (see docs/protocol.md)::
+
+    XADD <prefix>:requests:<model> * id <id> reply_to <stream> payload <bytes>
+         content_type <type> [deadline_ms <unix epoch ms>]
+
+and reads one reply per request from ``reply_to``. Payloads are decoded by
+content type, never unpickled: JSON, numpy ``.npy`` (``allow_pickle=False``),
+UTF-8 text or raw bytes.
+
+Validation is split where it is cheapest: the dispatcher checks the fields
+(``parse_request``) so a malformed message never reaches a worker; the worker
+decodes the payload (``decode_payload``) in parallel with other workers.
+"""
+from __future__ import annotations
+
+import io
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+JSON = "application/json"
+NPY = "application/x-npy"
+TEXT = "text/plain"
+BYTES = "application/octet-stream"
+CONTENT_TYPES = (JSON, NPY, TEXT, BYTES)
+
+OK = "ok"
+ERROR = "error"
+
+#: Longest id / reply_to accepted, so a hostile producer cannot blow up replies.
+MAX_ID_LEN = 256
+
+
+class RequestRejected(ValueError):
+    """A request that cannot be served; ``reply_to`` is set when it can be answered."""
+
+    def __init__(self, message: str, *, request_id: str = "", reply_to: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+        self.reply_to = reply_to
+
+
+class PayloadError(ValueError):
+    """A payload that does not decode as its content type says."""
+
+
+@dataclass
+class Request:
+    """One accepted request, as the dispatcher hands it to a worker."""
+
+    id: str
+    reply_to: str
+    payload: bytes
+    content_type: str
+    enqueued_ms: int  # from the stream entry id: Redis' clock when XADD ran
+    deadline_ms: int | None = None
+    stream_id: str = ""
+
+
+def _text(fields: dict[bytes, bytes], name: bytes) -> str | None:
+    raw = fields.get(name)
+    if raw is None:
+        return None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def entry_ms(stream_id: bytes | str) -> int:
+    """Milliseconds part of a stream entry id (``1700000000000-0``)."""
+    sid = stream_id.decode() if isinstance(stream_id, bytes) else stream_id
+    return int(sid.split("-", 1)[0])
+
+
+def parse_request(
+    stream_id: bytes, fields: dict[bytes, bytes], *, max_payload_bytes: int, now_ms: int | None = None
+) -> Request:
+    """Check one request stream entry; raise :class:`RequestRejected` saying what is wrong."""
+    request_id = _text(fields, b"id") or ""
+    reply_to = _text(fields, b"reply_to")
+    if reply_to is not None and (not reply_to or len(reply_to) > 1024):
+        reply_to = None
+    if reply_to is None:
+        raise RequestRejected("missing or unusable reply_to field", request_id=request_id)
+    if not request_id:
+        raise RequestRejected(
+            "missing id field: every request needs a client-chosen id (UTF-8 text)", reply_to=reply_to
+        )
+    if len(request_id) > MAX_ID_LEN:
+        raise RequestRejected(f"id longer than {MAX_ID_LEN} characters", request_id=request_id[:MAX_ID_LEN], reply_to=reply_to)
+    payload = fields.get(b"payload")
+    if payload is None:
+        raise RequestRejected("missing payload field", request_id=request_id, reply_to=reply_to)
+    if len(payload) > max_payload_bytes:
+        raise RequestRejected(
+            f"payload of {len(payload)} bytes is over the limit of {max_payload_bytes} bytes",
+            request_id=request_id,
+            reply_to=reply_to,
+        )
+    content_type = _text(fields, b"content_type") or JSON
+    content_type = content_type.split(";", 1)[0].strip().lower()
+    if content_type not in CONTENT_TYPES:
+        raise RequestRejected(
+            f"unknown content_type {content_type!r}; use one of {', '.join(CONTENT_TYPES)}",
+            request_id=request_id,
+            reply_to=reply_to,
+        )
+    deadline_ms: int | None = None
+    raw_deadline = fields.get(b"deadline_ms")
+    if raw_deadline not in (None, b""):
+        try:
+            deadline_ms = int(raw_deadline)  # type: ignore[arg-type]
+        except ValueError:
+            raise RequestRejected(
+                "deadline_ms must be an integer (unix epoch milliseconds)",
+                request_id=request_id,
+                reply_to=reply_to,
+            ) from None
+        now = now_ms if now_ms is not None else int(time.time() * 1000)
+        if deadline_ms <= now:
+            raise RequestRejected(
+                f"deadline exceeded before dispatch ({now - deadline_ms} ms late)",
+                request_id=request_id,
+                reply_to=reply_to,
+            )
+    sid = stream_id.decode()
+    return Request(
+        id=request_id,
+        reply_to=reply_to,
+        payload=payload,
+        content_type=content_type,
+        enqueued_ms=entry_ms(sid),
+        deadline_ms=deadline_ms,
+        stream_id=sid,
+    )
+
+
+def request_fields(
+    request_id: str, reply_to: str, payload: bytes, content_type: str, deadline_ms: int | None = None
+) -> dict[str, Any]:
+    """Fields of a request entry, for XADD."""
+    fields: dict[str, Any] = {
+        "id": request_id,
+        "reply_to": reply_to,
+        "payload": payload,
+        "content_type": content_type,
+    }
+    if deadline_ms is not None:
+        fields["deadline_ms"] = int(deadline_ms)
+    return fields
+
+
+# --- payloads ---------------------------------------------------------
+def decode_payload(content_type: str, payload: bytes) -> Any:
+    """Decode a payload; raise :class:`PayloadError` with a readable reason."""
+    try:
+        if content_type == JSON:
+            return json.loads(payload)
+        if content_type == NPY:
+            return np.load(io.BytesIO(payload), allow_pickle=False)
+        if content_type == TEXT:
+            return payload.decode("utf-8")
+        if content_type == BYTES:
+            return payload
+    except (ValueError, UnicodeDecodeError, EOFError, OSError) as exc:
+        raise PayloadError(f"payload is not valid {content_type}: {exc}") from None
+    raise PayloadError(f"unknown content_type {content_type!r}")
+
+
+def encode_payload(value: Any) -> tuple[bytes, str]:
+    """Encode a value for the wire, choosing its content type."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value), BYTES
+    if isinstance(value, np.ndarray):
+        if value.dtype == object:
+            raise TypeError("object arrays cannot be sent; they would need pickle")
+        buf = io.BytesIO()
+        np.save(buf, value, allow_pickle=False)
+        return buf.getvalue(), NPY
+    if isinstance(value, str):
+        return value.encode("utf-8"), TEXT
+    return json.dumps(value, separators=(",", ":"), default=_json_default).encode("utf-8"), JSON
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if hasattr(value, "tolist"):  # torch tensors, without importing torch
+        return value.tolist()
+    raise TypeError(f"cannot encode {type(value).__name__} as JSON")
+
+
+# --- sub-batches (dispatcher -> worker instance) ----------------------
+def encode_subbatch(requests: list[Request], batch_id: str) -> dict[str, Any]:
+    """One instance-queue entry carrying a sub-batch.
+
+    Metadata travels as one JSON array (one dumps per sub-batch, not per
+    request); payloads stay raw bytes in fields ``p0``, ``p1``, ...
+    """
+    meta = [[r.id, r.reply_to, r.content_type, r.enqueued_ms, r.deadline_ms, r.stream_id] for r in requests]
+    fields: dict[str, Any] = {"batch": batch_id, "meta": json.dumps(meta, separators=(",", ":"))}
+    for i, r in enumerate(requests):
+        fields[f"p{i}"] = r.payload
+    return fields
+
+
+def decode_subbatch(fields: dict[bytes, bytes]) -> list[Request]:
+    meta = json.loads(fields[b"meta"])
+    return [
+        Request(
+            id=m[0],
+            reply_to=m[1],
+            content_type=m[2],
+            enqueued_ms=m[3],
+            deadline_ms=m[4],
+            stream_id=m[5],
+            payload=fields.get(f"p{i}".encode(), b""),
+        )
+        for i, m in enumerate(meta)
+    ]
+
+
+# --- replies ----------------------------------------------------------
+def reply_fields(
+    request_id: str,
+    *,
+    payload: bytes = b"",
+    content_type: str = JSON,
+    error: str = "",
+    queue_ms: float = 0.0,
+    inference_ms: float = 0.0,
+    **extra: Any,
+) -> dict[str, Any]:
+    """Fields of a reply entry: ``status`` is ``error`` exactly when ``error`` is set."""
+    fields: dict[str, Any] = {
+        "id": request_id,
+        "status": ERROR if error else OK,
+        "payload": payload,
+        "content_type": content_type,
+        "error": error,
+        "queue_ms": f"{queue_ms:.3f}",
+        "inference_ms": f"{inference_ms:.3f}",
+    }
+    fields.update({k: str(v) for k, v in extra.items()})
+    return fields
+
+
+def error_reply(request_id: str, message: str, **extra: Any) -> dict[str, Any]:
+    return reply_fields(request_id, error=message, **extra)

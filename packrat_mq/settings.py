@@ -1,0 +1,39 @@
+"""Typed settings shared by every packrat-mq process.
+
+One pydantic settings object; each field falls back to an environment
+variable ``PACKRAT_<FIELD>`` (e.g. ``PACKRAT_REDIS_URL``), and CLI options
+override both. Child processes receive their settings as JSON, so a worker
+sees exactly what its supervisor was started with.
+"""
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from packrat_mq.keys import Keys
+
+
+class Settings(BaseSettings):
+    """Settings of a packrat-mq deployment (one prefix on one Redis)."""
+
+    model_config = SettingsConfigDict(env_prefix="PACKRAT_", extra="ignore")
+
+    redis_url: str | None = Field(
+        default=None,
+        description="redis://, rediss:// or unix:// URL; None starts/finds the embedded server.",
+    )
+    prefix: str = Field(default="packrat", pattern=r"^[A-Za-z0-9_.\-]+$")
+    batch_size: int = Field(default=8, ge=1, description="Aggregated batch B.")
+    batch_timeout_ms: float = Field(
+        default=5.0, ge=0, description="Dispatch a partial batch this long after its first request."
+    )
+    max_payload_bytes: int = Field(default=16 * 1024 * 1024, ge=1)
+    reply_ttl_s: int = Field(
+        default=3600, ge=1, description="Reply streams expire this long after their last reply."
+    )
+    graph_mode: bool = Field(default=False, description="TorchScript trace + freeze the model.")
+    heartbeat_s: float = Field(default=1.0, gt=0)
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.prefix)

@@ -1,0 +1,57 @@
+"""Models for testing the serving path without torch: ``echo`` and ``sleep``."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from packrat_mq.handler import BadRequest, BaseHandler, Context, Input
+
+
+class EchoHandler(BaseHandler):
+    """Returns each request's payload unchanged (decoded, then re-encoded)."""
+
+    traceable = False
+
+    def load_model(self, context: Context) -> Any:
+        return None
+
+    def example_batch(self, n: int) -> list[Input]:
+        return [Input(id=str(i), data={"echo": i}, content_type="application/json") for i in range(n)]
+
+    def inference(self, batch: Any) -> Any:
+        return batch
+
+
+class SleepHandler(BaseHandler):
+    """Sleeps per batch, for testing scheduling and flow control.
+
+    The batch sleeps ``base_ms + per_item_ms * len(batch)`` (context options,
+    defaults 10 ms and 0 ms), or the largest ``{"sleep_ms": x}`` found in its
+    requests. Replies with ``{"slept_ms": ..., "batch": n}``.
+    """
+
+    traceable = False
+
+    def load_model(self, context: Context) -> Any:
+        self.base_ms = float(context.options.get("base_ms", 10.0))
+        self.per_item_ms = float(context.options.get("per_item_ms", 0.0))
+        return None
+
+    def example_batch(self, n: int) -> list[Input]:
+        return [Input(id=str(i), data={}, content_type="application/json") for i in range(n)]
+
+    def validate(self, item: Input) -> None:
+        data = item.data
+        if data is None:
+            return
+        if not isinstance(data, dict):
+            raise BadRequest("sleep expects a JSON object such as {\"sleep_ms\": 5}")
+        ms = data.get("sleep_ms", 0)
+        if not isinstance(ms, (int, float)) or isinstance(ms, bool) or not 0 <= ms <= 60_000:
+            raise BadRequest("sleep_ms must be a number of milliseconds between 0 and 60000")
+
+    def inference(self, batch: Any) -> Any:
+        asked = [d.get("sleep_ms", 0) for d in batch if isinstance(d, dict)]
+        ms = max(asked) if asked and max(asked) > 0 else self.base_ms + self.per_item_ms * len(batch)
+        time.sleep(ms / 1000.0)
+        return [{"slept_ms": ms, "batch": len(batch)} for _ in batch]

@@ -1,0 +1,222 @@
+"""The pool supervisor: starts this node's worker instances and keeps them alive.
+
+Each instance is a spawned process (never forked: a forked torch runtime
+shares thread pools with its parent) started as ``python -m workers.worker``
+with its thread variables set in its environment before it imports torch.
+An instance that dies is started again on the same cores with the same
+consumer name, so it picks up the sub-batch it was serving.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from dispatcher.dispatcher import ensure_group
+from packrat_mq.deployment import Deployment, InstanceRecord
+from packrat_mq.instances import Configuration
+from packrat_mq.keys import WORKER_GROUP
+from packrat_mq.settings import Settings
+from workers.allocation import CoreAssignment, allocate, thread_env
+from workers.topology import Topology
+from workers.worker import WorkerSpec
+
+log = logging.getLogger("packrat_mq.pool")
+
+
+@dataclass
+class Instance:
+    record: InstanceRecord
+    spec: WorkerSpec
+    process: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    next_start: float = 0.0
+    history: list[float] = field(default_factory=list)
+
+
+class Pool:
+    """Worker instances of one model on this node."""
+
+    def __init__(
+        self,
+        r: redis.Redis,
+        settings: Settings,
+        url: str,
+        model: str,
+        configuration: Configuration,
+        *,
+        handler: str | None = None,
+        options: dict[str, Any] | None = None,
+        node: str | None = None,
+        topology: Topology | None = None,
+        generation: int = 1,
+    ) -> None:
+        self.r = r
+        self.settings = settings
+        self.keys = settings.keys
+        self.url = url
+        self.model = model
+        self.handler = handler or model
+        self.configuration = configuration
+        self.node = node or socket.gethostname().split(".")[0]
+        self.generation = generation
+        self.assignments: list[CoreAssignment] = allocate(topology or Topology.detect(), configuration)
+        self.instances: list[Instance] = []
+        for a in self.assignments:
+            record = InstanceRecord(
+                id=f"{self.node}-g{generation}-{a.instance}",
+                threads=a.threads,
+                batch=a.batch,
+                cpus=list(a.cpus),
+                socket=a.socket,
+                node=self.node,
+            )
+            spec = WorkerSpec(
+                url=url,
+                settings=settings,
+                model=model,
+                handler=self.handler,
+                instance_id=record.id,
+                threads=a.threads,
+                batch=a.batch,
+                cpus=list(a.cpus),
+                socket=a.socket,
+                options=options or {},
+            )
+            self.instances.append(Instance(record=record, spec=spec))
+
+    @property
+    def deployment(self) -> Deployment:
+        return Deployment(
+            model=self.model,
+            handler=self.handler,
+            generation=self.generation,
+            node=self.node,
+            graph_mode=self.settings.graph_mode,
+            predicted_latency_ms=self.configuration.predicted_latency_ms,
+            instances=[i.record for i in self.instances],
+        )
+
+    # --- lifecycle --------------------------------------------------------
+    def start(self, publish: bool = True) -> None:
+        """Create the queues, spawn every instance and (by default) publish the deployment."""
+        for inst in self.instances:
+            ensure_group(self.r, self.keys.queue(self.model, inst.record.id), WORKER_GROUP)
+            self._spawn(inst)
+        if publish:
+            self.publish()
+
+    def publish(self) -> None:
+        """Make this deployment the one the dispatcher serves with."""
+        self.r.set(self.keys.config(self.model), self.deployment.model_dump_json())
+        self.r.sadd(self.keys.models(), self.model)
+
+    def _spawn(self, inst: Instance) -> None:
+        env = dict(os.environ)
+        env.update(thread_env(inst.record.threads))
+        inst.process = subprocess.Popen(
+            [sys.executable, "-m", "workers.worker", inst.spec.model_dump_json()],
+            env=env,
+            start_new_session=True,  # Ctrl-C reaches the supervisor, which stops children in order
+        )
+        inst.history.append(time.time())
+        log.info("started %s (pid %d) on cpus %s", inst.record.id, inst.process.pid, inst.record.cpus)
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        """Block until every instance reports ``ready``; raise if one dies or time runs out."""
+        deadline = time.monotonic() + timeout
+        pending = {i.record.id: i for i in self.instances}
+        while pending:
+            for iid, inst in list(pending.items()):
+                if inst.process is not None and inst.process.poll() is not None:
+                    raise RuntimeError(
+                        f"instance {iid} exited with code {inst.process.returncode} while starting; see its log above"
+                    )
+                if self.r.hget(self.keys.instance(self.model, iid), "state") == b"ready":
+                    del pending[iid]
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"instances not ready after {timeout:.0f} s: {', '.join(pending)}")
+            if pending:
+                time.sleep(0.05)
+
+    def check(self) -> list[str]:
+        """Restart instances that died; returns the ids restarted now.
+
+        A crash loop backs off (1 s, 2 s, ... up to 30 s) instead of spinning.
+        """
+        restarted = []
+        now = time.monotonic()
+        for inst in self.instances:
+            proc = inst.process
+            if proc is None or proc.poll() is None:
+                continue
+            if inst.next_start == 0.0:
+                recent = [t for t in inst.history if time.time() - t < 60]
+                delay = min(30.0, 2.0 ** max(0, len(recent) - 2)) if len(recent) > 1 else 0.0
+                inst.next_start = now + delay
+                log.warning(
+                    "instance %s (pid %d) exited with code %s; restarting in %.0f s",
+                    inst.record.id, proc.pid, proc.returncode, delay,
+                )
+                self.r.hset(self.keys.instance(self.model, inst.record.id), "state", "restarting")
+            if now >= inst.next_start:
+                inst.restarts += 1
+                inst.next_start = 0.0
+                self.r.hincrby(self.keys.instance(self.model, inst.record.id), "restarts", 1)
+                self._spawn(inst)
+                restarted.append(inst.record.id)
+        return restarted
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM every instance (each finishes its batch), SIGKILL stragglers."""
+        for inst in self.instances:
+            if inst.process and inst.process.poll() is None:
+                inst.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for inst in self.instances:
+            if inst.process is None:
+                continue
+            try:
+                inst.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("instance %s did not stop in time; killing it", inst.record.id)
+                inst.process.kill()
+                inst.process.wait()
+
+    def drain(self, timeout: float = 30.0) -> bool:
+        """Wait until every instance queue is empty (after the dispatcher stopped)."""
+        deadline = time.monotonic() + timeout
+        queues = [self.keys.queue(self.model, i.record.id) for i in self.instances]
+        while time.monotonic() < deadline:
+            if all(self.r.xlen(q) == 0 for q in queues):
+                return True
+            if all(i.process is None or i.process.poll() is not None for i in self.instances):
+                return False
+            time.sleep(0.02)
+        return False
+
+    def retire(self) -> None:
+        """Forget this pool's instances in Redis (after stop).
+
+        A queue that still holds sub-batches is kept: its requests were taken
+        from the request stream, and a pool started again with the same node
+        and generation serves them.
+        """
+        pipe = self.r.pipeline()
+        for inst in self.instances:
+            queue = self.keys.queue(self.model, inst.record.id)
+            pipe.delete(self.keys.instance(self.model, inst.record.id))
+            pipe.srem(self.keys.instances(self.model), inst.record.id)
+            if self.r.xlen(queue) == 0:
+                pipe.delete(queue)
+            else:
+                log.warning("queue %s still holds work; kept for the next start", queue)
+        pipe.execute()
