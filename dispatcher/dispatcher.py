@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import redis
 
 from dispatcher.aggregation import Aggregator
+from dispatcher.orphans import sweep
 from dispatcher.partitioning import LatencyFn, split
 from packrat_mq import protocol
 from packrat_mq.deployment import Deployment
@@ -74,6 +74,7 @@ class Dispatcher:
         # dispatcher take over the entries its predecessor read.
         self.consumer = consumer or "dispatcher"
         self.max_waiting = max_waiting
+        self.sweep_interval_s = 1.0
         self.latency = latency
         self.stream = self.keys.requests(model)
         self.stats = DispatchStats()
@@ -153,8 +154,12 @@ class Dispatcher:
     def run(self) -> None:
         self.setup()
         log.info("dispatcher for %s reading %s", self.model, self.stream)
+        next_sweep = 0.0
         while not self._stopping:
             try:
+                if time.monotonic() >= next_sweep:
+                    sweep(self.r, self.settings)
+                    next_sweep = time.monotonic() + self.sweep_interval_s
                 self.run_once()
             except redis.ConnectionError as exc:
                 log.warning("redis connection lost (%s); retrying in 0.5 s", exc)
@@ -215,10 +220,6 @@ class Dispatcher:
         self.stats.rejected += len(rejected)
         self.stats.unanswerable += unanswerable
         self.stats.sizes[len(accepted)] = self.stats.sizes.get(len(accepted), 0) + 1
-
-
-def default_consumer() -> str:
-    return f"dispatcher@{socket.gethostname()}"
 
 
 def run_dispatcher(settings: Settings, url: str, model: str, *, latency: LatencyFn | None = None) -> None:

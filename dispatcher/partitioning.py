@@ -71,3 +71,11 @@ def profile_latency(table: dict[tuple[int, int], float]) -> LatencyFn:
         return l_last * batch / b_last
 
     return latency
+
+
+def latency_from_profile(path: str) -> LatencyFn:
+    """The latency estimate of a profile file (see ``optimizer.profile``)."""
+    from optimizer.profile import Profile
+
+    profile = Profile.load(path)
+    return profile_latency({(e.threads, e.batch): e.mean_ms for e in profile.entries})

@@ -14,6 +14,7 @@ message that names the file, line or entry at fault.
 from __future__ import annotations
 
 import csv
+import hashlib
 import importlib.metadata
 import json
 import math
@@ -248,6 +249,15 @@ def as_table(threads: Sequence[int] | np.ndarray, batches: Sequence[int] | np.nd
     return table
 
 
+def table_fingerprint(table: LatencyTable) -> bytes:
+    """A 16-byte digest of a table's axes and latencies: equal tables, equal digests."""
+    h = hashlib.blake2b(digest_size=16)
+    for arr in table:
+        h.update(str(arr.shape).encode())
+        h.update(np.ascontiguousarray(arr).tobytes())
+    return h.digest()
+
+
 class Profile(BaseModel):
     """The latency profile of one model in one mode on one machine.
 
@@ -265,7 +275,7 @@ class Profile(BaseModel):
     entries: tuple[ProfileEntry, ...] = ()
     calibrations: list[Calibration] = Field(default_factory=list)
 
-    _table: tuple[tuple[ProfileEntry, ...], LatencyTable] | None = PrivateAttr(default=None)
+    _table: tuple[tuple[ProfileEntry, ...], LatencyTable, bytes] | None = PrivateAttr(default=None)
 
     @field_validator("format_version")
     @classmethod
@@ -420,6 +430,16 @@ class Profile(BaseModel):
         cached = self._table
         if cached is not None and cached[0] is self.entries:
             return cached[1]
+        return self._build_table()[1]
+
+    def fingerprint(self) -> bytes:
+        """A digest of the table's contents, the solver's cache key; cached like ``table()``."""
+        cached = self._table
+        if cached is not None and cached[0] is self.entries:
+            return cached[2]
+        return self._build_table()[2]
+
+    def _build_table(self) -> tuple[tuple[ProfileEntry, ...], LatencyTable, bytes]:
         if not self.entries:
             raise ProfileError(f"profile {self.model!r} has no entries")
         entries = self.entries
@@ -432,8 +452,8 @@ class Profile(BaseModel):
         table = LatencyTable(threads, batches, lat)
         for arr in table:
             arr.setflags(write=False)
-        self._table = (entries, table)
-        return table
+        self._table = (entries, table, table_fingerprint(table))
+        return self._table
 
     def entry(self, threads: int, batch: int) -> ProfileEntry | None:
         """The measurement at (threads, batch), or None; the profiler uses it to resume."""

@@ -61,6 +61,10 @@ class Keys:
         """Profile JSON written by an enqueued (RQ) profiling job."""
         return self._key("profile", model, node)
 
+    def lock(self, name: str) -> str:
+        """A short-lived mutual-exclusion key (SET NX PX)."""
+        return self._key("lock", name)
+
     # --- discovery indexes (one set per kind) -------------------------
     def models(self) -> str:
         """Set of model names being served."""

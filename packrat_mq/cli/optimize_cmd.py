@@ -1,0 +1,95 @@
+"""``packrat-mq optimize``: the fastest configuration for a batch, planned from a profile.
+
+It plans for the machine the profile was measured on, not the one it runs on,
+so a 16-core server can be planned from a laptop. The command is a pipeline
+of small steps (load, plan, report) so that further options, such as running
+the plan to calibrate it, slot in between without touching the others.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from optimizer.profile import Profile, ProfileError
+from optimizer.solving import InfeasibleError, solve
+from packrat_mq.cli.profile_cmd import load_profile
+from packrat_mq.instances import Configuration
+
+
+@click.command("optimize")
+@click.option(
+    "--profile", "-p", "profile_ref", required=True, metavar="PROFILE",
+    help="Profile JSON file, or a model name looked up as profiles/<model>.json.",
+)
+@click.option(
+    "--threads", "-t", type=click.IntRange(min=1), default=None,
+    help="Core budget T [default: the profiled machine's physical cores, else the most threads profiled].",
+)
+@click.option("--batch", "-b", type=click.IntRange(min=1), required=True, help="Aggregated batch size B.")
+@click.option(
+    "--json", "as_json", is_flag=True,
+    help='Print one JSON object: {"predicted_latency_ms", "instances": [{"threads", "batch", "count"}]}.',
+)
+def optimize(profile_ref: str, threads: int | None, batch: int, as_json: bool) -> None:
+    """Choose instances (threads, batch) that serve a batch with the lowest predicted latency.
+
+    Splits T cores and a batch of B requests among model instances so that the
+    slowest instance, by the profile, is as fast as possible; among equally fast
+    plans it uses the fewest threads, then the fewest instances.
+
+    \b
+    Examples:
+      packrat-mq optimize --profile resnet50 --threads 16 --batch 64
+      packrat-mq optimize -p profiles/bert.json -t 32 -b 100 --json
+    """
+    path, prof = load_profile(profile_ref)
+    budget = threads if threads is not None else default_threads(prof)
+    config = plan(prof, budget, batch, where=path)
+    if as_json:
+        click.echo(json.dumps(to_json(config)))
+    else:
+        click.echo(describe(prof, config, budget))
+
+
+def default_threads(prof: Profile) -> int:
+    """The profiled machine's physical cores when recorded, else its largest profiled thread count."""
+    if prof.machine is not None and prof.machine.physical_cores:
+        return prof.machine.physical_cores
+    return max(prof.max_threads, 1)
+
+
+def plan(prof: Profile, threads: int, batch: int, *, where: Path | None = None) -> Configuration:
+    """``solve`` with domain errors turned into CLI errors (exit code 1, no traceback)."""
+    try:
+        return solve(prof, threads, batch)
+    except (InfeasibleError, ProfileError) as exc:
+        prefix = f"{where}: " if where is not None and isinstance(exc, ProfileError) else ""
+        raise click.ClickException(f"{prefix}{exc}") from None
+
+
+def to_json(config: Configuration) -> dict[str, Any]:
+    return {"predicted_latency_ms": config.predicted_latency_ms, "instances": config.grouped()}
+
+
+def compact(config: Configuration) -> str:
+    """``2*4x16,8x32``: the form ``Configuration.parse`` (and so ``--config`` options) reads."""
+    return ",".join(
+        f"{g['count']}*{g['threads']}x{g['batch']}" if g["count"] > 1 else f"{g['threads']}x{g['batch']}"
+        for g in config.grouped()
+    )
+
+
+def describe(prof: Profile, config: Configuration, budget: int) -> str:
+    groups = config.grouped()
+    n = sum(g["count"] for g in groups)
+    lines = [f"{prof.model} ({prof.mode}): batch {config.batch} on {budget} threads"]
+    lines += [f"  {g['count']} x (threads={g['threads']}, batch={g['batch']})" for g in groups]
+    lines.append(
+        f"predicted latency: {config.predicted_latency_ms:.3f} ms "
+        f"({config.threads} of {budget} threads, {n} instance{'s' if n != 1 else ''})"
+    )
+    lines.append(f"configuration: {compact(config)}")
+    return "\n".join(lines)

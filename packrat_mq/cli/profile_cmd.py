@@ -1,0 +1,196 @@
+"""``packrat-mq profile``: import, inspect and plot latency profiles.
+
+Measuring lives with the profiler; these commands only move profiles in
+(``import`` from CSV) and look at them (``show``), so they never need torch.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import click
+import numpy as np
+
+from optimizer.profile import LatencyTable, Profile, ProfileError, resolve_profile_path
+
+
+def load_profile(ref: str) -> tuple[Path, Profile]:
+    """Resolve a path or model name and load it, turning domain errors into CLI errors."""
+    try:
+        path = resolve_profile_path(ref)
+        return path, Profile.load(path)
+    except ProfileError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@click.group("profile")
+def profile() -> None:
+    """Import, show and plot latency profiles L[threads, batch].
+
+    \b
+    Examples:
+      packrat-mq profile import measurements.csv -o profiles/resnet50.json --model resnet50
+      packrat-mq profile show resnet50 --plot resnet50.png
+    """
+
+
+@profile.command("import")
+@click.argument("csv_file", metavar="FILE.csv", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
+    help="Profile to write [default: profiles/<model>.json].",
+)
+@click.option("--model", default=None, help="Model name [default: the CSV file's stem].")
+@click.option(
+    "--mode", type=click.Choice(["eager", "graph"]), default="eager", show_default=True,
+    help="How the model was run when measured.",
+)
+@click.option(
+    "--on-duplicate", "duplicates", type=click.Choice(["mean", "error"]), default="mean",
+    show_default=True, help="Average repeated (threads, batch_size) rows, or reject them.",
+)
+@click.option("--force", is_flag=True, help="Overwrite an existing output file.")
+def import_csv(
+    csv_file: Path, output: Path | None, model: str | None, mode: str, duplicates: str, force: bool
+) -> None:
+    """Import a CSV of measurements into a JSON profile.
+
+    The CSV needs a header with the columns threads, batch_size and latency_ms
+    (milliseconds per batch); other columns are ignored.
+
+    \b
+    Example:
+      packrat-mq profile import resnet50.csv -o profiles/resnet50.json --model resnet50
+    """
+    try:
+        prof = Profile.from_csv(csv_file, model=model, mode=mode, duplicates=duplicates)  # type: ignore[arg-type]
+    except ProfileError as exc:
+        raise click.ClickException(str(exc)) from None
+    output = output or Path("profiles") / f"{prof.model}.json"
+    if output.exists() and not force:
+        raise click.ClickException(f"{output} exists; pass --force to overwrite it")
+    prof.save(output)
+    click.echo(
+        f"imported {len(prof.entries)} measurements of {prof.model} "
+        f"(threads {_span(prof.table().threads)}, batch sizes "
+        f"{','.join(str(b) for b in prof.batch_sizes)}) -> {output}"
+    )
+
+
+@profile.command("show")
+@click.argument("profile_ref", metavar="PROFILE")
+@click.option("--json", "as_json", is_flag=True, help="Print the table as one JSON object.")
+@click.option(
+    "--plot", type=click.Path(dir_okay=False, path_type=Path), default=None, metavar="FILE.png",
+    help="Also draw a heatmap of L[t, b] and the speed-up per batch size (needs matplotlib).",
+)
+def show(profile_ref: str, as_json: bool, plot: Path | None) -> None:
+    """Print a profile as a threads x batch-size table of latencies (ms).
+
+    PROFILE is a path or a model name looked up as profiles/<model>.json.
+
+    \b
+    Examples:
+      packrat-mq profile show resnet50
+      packrat-mq profile show profiles/bert.json --json
+      packrat-mq profile show resnet50 --plot resnet50.png
+    """
+    path, prof = load_profile(profile_ref)
+    try:
+        table = prof.table()
+    except ProfileError as exc:
+        raise click.ClickException(f"{path}: {exc}") from None
+    if as_json:
+        click.echo(json.dumps({
+            "model": prof.model,
+            "mode": prof.mode,
+            "machine": prof.machine.model_dump() if prof.machine else None,
+            "threads": table.threads.tolist(),
+            "batches": table.batches.tolist(),
+            "latency_ms": [[None if math.isnan(v) else v for v in row] for row in table.latency_ms.tolist()],
+        }))
+    else:
+        click.echo(_describe(prof, path))
+        click.echo(format_table(table))
+    if plot is not None:
+        plot_profile(table, f"{prof.model} ({prof.mode})", plot)
+        click.echo(f"wrote {plot}", err=True)
+
+
+def _span(values: np.ndarray) -> str:
+    lo, hi = int(values.min()), int(values.max())
+    return str(lo) if lo == hi else f"{lo}..{hi}"
+
+
+def _describe(prof: Profile, path: Path) -> str:
+    machine = prof.machine.summary() if prof.machine else "unknown machine"
+    lines = [
+        f"{prof.model} ({prof.mode}) from {path}",
+        f"machine: {machine}",
+        f"{len(prof.entries)} measurements, {len(prof.calibrations)} calibrations",
+        "mean latency (ms) per batch; rows: threads, columns: batch size",
+    ]
+    return "\n".join(lines)
+
+
+def format_table(table: LatencyTable) -> str:
+    """Right-aligned text table, ``-`` where not measured."""
+    head = ["threads", *(str(int(b)) for b in table.batches)]
+    rows = [
+        [str(int(t)), *("-" if math.isnan(v) else f"{v:.2f}" for v in row)]
+        for t, row in zip(table.threads, table.latency_ms.tolist())
+    ]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in [head, *rows])
+
+
+def plot_profile(table: LatencyTable, title: str, path: Path) -> None:
+    """Heatmap of L[t, b] and speed-up L[t0, b] / L[t, b] against t (t0: fewest threads measured).
+
+    matplotlib is optional, so it is imported here; a bare ``Figure`` with an
+    Agg canvas draws without pyplot and without touching the global backend.
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.colors import LogNorm
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise click.ClickException(
+            "--plot needs matplotlib; install it with: pip install 'packrat-mq[plot]'"
+        ) from None
+    threads, batches, lat = table
+    fig = Figure(figsize=(13, 5), layout="constrained")
+    FigureCanvasAgg(fig)
+    heat, curves = fig.subplots(1, 2)
+
+    image = heat.imshow(
+        np.ma.masked_invalid(lat), aspect="auto", origin="lower", cmap="viridis", norm=LogNorm(),
+        interpolation="nearest",
+    )
+    heat.set_xticks(range(batches.size), [str(int(b)) for b in batches])
+    ticks = np.unique(np.linspace(0, threads.size - 1, min(threads.size, 16)).round().astype(int))
+    heat.set_yticks(ticks, [str(int(threads[i])) for i in ticks])
+    heat.set_xlabel("batch size b")
+    heat.set_ylabel("threads t")
+    heat.set_title(f"{title}: latency L[t, b]")
+    fig.colorbar(image, ax=heat, label="ms (log scale)")
+
+    for j, b in enumerate(batches):
+        measured = np.isfinite(lat[:, j])
+        if not measured.any():
+            continue
+        t, col = threads[measured], lat[measured, j]
+        note = "" if t[0] == 1 else f" (vs t={int(t[0])})"
+        curves.plot(t, col[0] / col, marker=".", label=f"b={int(b)}{note}")
+    curves.plot(threads, threads / threads[0], "k--", linewidth=1, label="linear")
+    curves.set_xlabel("threads t")
+    curves.set_ylabel("speed-up L[1, b] / L[t, b]")
+    curves.set_title("speed-up per batch size")
+    curves.legend(fontsize="small", ncol=2)
+    curves.grid(alpha=0.3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fig.savefig(path, dpi=110)
+    except (OSError, ValueError) as exc:
+        raise click.ClickException(f"cannot write plot {path}: {exc}") from None

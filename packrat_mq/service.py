@@ -1,0 +1,121 @@
+"""One node's serving stack for one model: worker pool plus dispatcher process.
+
+``packrat-mq up`` is a thin shell around :class:`Service`; the demo and the
+end-to-end tests use it too. Shutdown order is what makes it lossless: stop
+the dispatcher (no new sub-batches), let the instances drain their queues,
+then stop them; requests still in the request stream stay there for the
+next start.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from packrat_mq.instances import Configuration
+from packrat_mq.settings import Settings
+from workers.pool import Pool
+
+log = logging.getLogger("packrat_mq.service")
+
+
+class Service:
+    """Pool + supervised dispatcher of one model on this node."""
+
+    def __init__(
+        self,
+        r: redis.Redis,
+        settings: Settings,
+        url: str,
+        model: str,
+        configuration: Configuration,
+        *,
+        handler: str | None = None,
+        options: dict[str, Any] | None = None,
+        profile: str | Path | None = None,
+        node: str | None = None,
+    ) -> None:
+        self.r = r
+        self.settings = settings
+        self.url = url
+        self.model = model
+        self.profile = str(profile) if profile else None
+        self.pool = Pool(r, settings, url, model, configuration, handler=handler, options=options, node=node)
+        self.dispatcher: subprocess.Popen[bytes] | None = None
+        self.dispatcher_restarts = 0
+
+    def start(self, ready_timeout: float = 600.0) -> None:
+        self.pool.start()
+        self.pool.wait_ready(ready_timeout)
+        self._start_dispatcher()
+
+    def _start_dispatcher(self) -> None:
+        from dispatcher.__main__ import DispatcherSpec
+
+        spec = DispatcherSpec(url=self.url, settings=self.settings, model=self.model, profile=self.profile)
+        self.dispatcher = subprocess.Popen(
+            [sys.executable, "-m", "dispatcher", spec.model_dump_json()], start_new_session=True
+        )
+
+    def check(self) -> None:
+        """Restart whatever died (instances, dispatcher)."""
+        self.pool.check()
+        if self.dispatcher is not None and self.dispatcher.poll() is not None:
+            log.warning("dispatcher exited with code %s; restarting", self.dispatcher.returncode)
+            self.dispatcher_restarts += 1
+            time.sleep(min(5.0, 0.5 * self.dispatcher_restarts))
+            self._start_dispatcher()
+
+    def serve_forever(self, poll_s: float = 0.5) -> None:
+        """Supervise until SIGINT/SIGTERM, then shut down in order."""
+        stopping = False
+
+        def _stop(signum: int, frame: Any) -> None:
+            nonlocal stopping
+            stopping = True
+
+        old_int = signal.signal(signal.SIGINT, _stop)
+        old_term = signal.signal(signal.SIGTERM, _stop)
+        try:
+            while not stopping:
+                self.check()
+                time.sleep(poll_s)
+        finally:
+            signal.signal(signal.SIGINT, old_int)
+            signal.signal(signal.SIGTERM, old_term)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.dispatcher is not None and self.dispatcher.poll() is None:
+            self.dispatcher.send_signal(signal.SIGTERM)
+            try:
+                self.dispatcher.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.dispatcher.kill()
+                self.dispatcher.wait()
+        if not self.pool.drain(timeout):
+            log.warning("instance queues not empty at shutdown; their work is kept in Redis")
+        self.pool.stop(timeout)
+        self.pool.retire()
+        self.r.delete(self.settings.keys.config(self.model))
+
+    def __enter__(self) -> Service:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def default_threads() -> int:
+    """Physical cores of the largest socket this process may use."""
+    from workers.topology import Topology
+
+    topo = Topology.detect()
+    return max(len(s.cores) for s in topo.sockets) if topo.sockets else max(1, len(os.sched_getaffinity(0)))
