@@ -203,7 +203,8 @@ class Dispatcher:
                 log.warning("dropped request %r with no usable reply_to: %s", exc.request_id, exc)
                 continue
             pipe.xadd(exc.reply_to, protocol.error_reply(exc.request_id, str(exc), model=self.model))
-            pipe.expire(exc.reply_to, self.settings.reply_ttl_s)
+        for reply_to in {exc.reply_to for exc in rejected if exc.reply_to is not None}:
+            pipe.expire(reply_to, self.settings.reply_ttl_s)
         pipe.xack(self.stream, DISPATCHER_GROUP, *ids)
         pipe.xdel(self.stream, *ids)
         stats_key = self.keys.stats(self.model)

@@ -308,9 +308,15 @@ class ProfilingOptions(BaseModel):
         return list(range(1, top + 1))
 
 
+def profile_name(model: str) -> str:
+    """The profile's model name: a zoo name as is, ``module:Class`` as ``module.Class``."""
+    return model.replace(":", ".")
+
+
 def default_output(model: str, graph: bool = False, directory: str | os.PathLike[str] = "profiles") -> Path:
     """``profiles/<model>.json`` (eager) or ``profiles/<model>.graph.json``."""
-    return Path(directory) / (f"{model}.graph.json" if graph else f"{model}.json")
+    name = profile_name(model)
+    return Path(directory) / (f"{name}.graph.json" if graph else f"{name}.json")
 
 
 def run_log_path(profile_path: Path) -> Path:
@@ -334,7 +340,8 @@ class ProfilingReport:
     resumed: int = 0
     load_s: float = 0.0
     measure_s: float = 0.0
-    fixed_estimate_s: float = 0.0
+    #: Warm-up + timed seconds the fixed schedule would spend on the same points.
+    fixed_iterations_s: float = 0.0
     wall_s: float = 0.0
     interrupted: bool = False
 
@@ -342,6 +349,11 @@ class ProfilingReport:
     def adaptive_s(self) -> float:
         """Model loads plus warm-up and timed iterations of this run."""
         return self.load_s + self.measure_s
+
+    @property
+    def fixed_estimate_s(self) -> float:
+        """The fixed schedule's time: the same model loads plus 110 iterations per point."""
+        return self.load_s + self.fixed_iterations_s
 
     @property
     def saved_s(self) -> float:
@@ -408,14 +420,14 @@ def profile_model(
     loses only the point in progress; the report then has ``interrupted``.
     ``on_point`` is called with each new point (tests use it to interrupt).
     """
-    from optimizer.profile import MachineInfo, Profile, ProfileEntry, ProfileError
+    from optimizer.profile import ProfileEntry
     from packrat_mq.instances import Configuration
     from workers.allocation import AllocationError, allocate
     from workers.topology import Topology
 
     topology = topology or Topology.detect()
     path = Path(output) if output is not None else default_output(options.model, options.graph)
-    profile = _load_for_resume(path, options, fresh, Profile, ProfileError, MachineInfo)
+    profile = _load_for_resume(path, options, fresh)
     threads = options.thread_counts(topology)
     placements: dict[int, tuple[int, ...]] = {}
     for t in threads:
@@ -450,7 +462,7 @@ def profile_model(
                         continue
                     if stop_reason is not None:
                         report.skipped.append({"threads": t, "batch": b, "reason": stop_reason})
-                        report.fixed_estimate_s += (FIXED_WARMUP + FIXED_ITERS) * lower_bound / 1000.0
+                        report.fixed_iterations_s += (FIXED_WARMUP + FIXED_ITERS) * lower_bound / 1000.0
                         upper[(t, b)] = alternative
                         bar.update(1)
                         continue
@@ -472,7 +484,7 @@ def profile_model(
                     profile.upsert(entry)
                     profile.save(path)
                     report.measure_s += result["warmup_s"] + result["timed_s"]
-                    report.fixed_estimate_s += (FIXED_WARMUP + FIXED_ITERS) * entry.mean_ms / 1000.0
+                    report.fixed_iterations_s += (FIXED_WARMUP + FIXED_ITERS) * entry.mean_ms / 1000.0
                     hw = result["half_width_ms"] or 0.0
                     upper[(t, b)] = min(entry.mean_ms + hw, alternative)
                     lower_bound = max(lower_bound, entry.mean_ms - hw)
@@ -482,6 +494,10 @@ def profile_model(
                     report.measured.append(point)
                     if on_point is not None:
                         on_point(point)
+            except BaseException:
+                if child is not None:
+                    child.kill()  # mid-measurement: do not wait for it to finish
+                raise
             finally:
                 if child is not None:
                     child.close()
@@ -491,23 +507,21 @@ def profile_model(
     finally:
         bar.close()
         report.wall_s = time.monotonic() - started
-        if report.measured or not path.exists():
-            if profile.entries:
-                profile.save(path)
         _append_run_log(report, options)
     return report
 
 
-def _load_for_resume(path: Path, options: ProfilingOptions, fresh: bool, Profile: Any, ProfileError: Any,
-                     MachineInfo: Any) -> Profile:
+def _load_for_resume(path: Path, options: ProfilingOptions, fresh: bool) -> Profile:
+    from optimizer.profile import MachineInfo, Profile, ProfileError
+
     machine = MachineInfo.current()
     if fresh or not path.exists():
-        return Profile(model=options.model, mode=options.mode, machine=machine)
+        return Profile(model=profile_name(options.model), mode=options.mode, machine=machine)
     try:
         profile = Profile.load(path)
     except ProfileError as exc:
         raise ProfilingError(f"cannot resume from {path}: {exc}; pass --fresh to start over") from None
-    if (profile.model, profile.mode) != (options.model, options.mode):
+    if (profile.model, profile.mode) != (profile_name(options.model), options.mode):
         raise ProfilingError(
             f"{path} holds the {profile.mode} profile of {profile.model!r}, not the {options.mode} "
             f"profile of {options.model!r}; choose another -o, or --fresh to overwrite it"
@@ -608,7 +622,12 @@ class _Child:
         self._buf = b""
 
     def start(self) -> float:
-        spec = {"threads": self.threads, "cpus": list(self.cpus), **self.options.model_dump()}
+        """Start the child and wait until its model is loaded; returns seconds taken.
+
+        Timed from the parent, so interpreter start and imports count as load cost.
+        """
+        started = time.perf_counter()
+        spec = {"threads": self.threads, "cpus": list(self.cpus), "options": self.options.model_dump()}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "optimizer.profiling", "child", json.dumps(spec)],
             stdin=subprocess.PIPE,
@@ -621,12 +640,13 @@ class _Child:
         )
         ready = self._read()
         if ready.get("event") != "ready":
-            self.close()
-            raise ProfilingError(
+            message = (
                 f"profiling child for {self.options.model} at {self.threads} threads did not start: "
                 f"{ready.get('message', '')}\n{self._stderr_tail()}"
             )
-        return float(ready["load_s"])
+            self.close()
+            raise ProfilingError(message.rstrip())
+        return time.perf_counter() - started
 
     def measure(self, batch: int, dominated_above_ms: float | None) -> dict[str, Any]:
         assert self.proc is not None and self.proc.stdin is not None
@@ -662,6 +682,10 @@ class _Child:
         self.stderr.seek(0)
         return self.stderr.read().decode(errors="replace")[-limit:]
 
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+
     def close(self) -> None:
         proc, self.proc = self.proc, None
         if proc is not None:
@@ -690,10 +714,10 @@ def _child_main(spec_json: str) -> int:
     def send(message: dict[str, Any]) -> None:
         proto.write(json.dumps(message) + "\n")
 
-    spec = json.loads(spec_json)
-    threads, cpus = int(spec.pop("threads")), [int(c) for c in spec.pop("cpus")]
-    options = ProfilingOptions(**spec)
     try:
+        spec = json.loads(spec_json)
+        threads, cpus = int(spec["threads"]), [int(c) for c in spec["cpus"]]
+        options = ProfilingOptions(**spec["options"])
         handler, context, eager, load_s = _load(options, threads, cpus)
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which shows it
         send({"event": "error", "message": f"{type(exc).__name__}: {exc}"})
@@ -784,6 +808,12 @@ def _measure_batch(
 # RQ: profile on another node
 
 
+def result_name(options: ProfilingOptions) -> str:
+    """Model part of the Redis result key: ``<model>`` or ``<model>.graph``."""
+    name = profile_name(options.model)
+    return f"{name}.graph" if options.graph else name
+
+
 def profile_queue_name(node: str) -> str:
     """The RQ queue a node's profiling worker listens on."""
     return f"packrat-profile-{node}"
@@ -792,32 +822,34 @@ def profile_queue_name(node: str) -> str:
 def profile_job(
     settings: dict[str, Any],
     *,
+    node: str | None = None,
     prefix: str = "packrat",
     store_dir: str = "profiles",
     fresh: bool = False,
 ) -> dict[str, Any]:
     """RQ job: profile on the worker's node, store the JSON in Redis and in ``store_dir``.
 
-    The Redis key is ``Keys(prefix).profile_result(model, node)`` with the
-    node the job ran on (``<model>.graph`` for graph mode), so several nodes'
-    profiles of one model sit side by side.
+    The Redis key is ``Keys(prefix).profile_result(model, node)`` (model
+    ``<model>.graph`` in graph mode), ``node`` being the node the job was
+    queued for (default: the host it runs on), so several nodes' profiles of
+    one model sit side by side. The result also says which host it ran on.
     """
     from rq import get_current_job
 
     from packrat_mq.keys import Keys
 
     options = ProfilingOptions(**settings)
-    node = socket.gethostname()
+    host = socket.gethostname()
+    node = node or host
     path = default_output(options.model, options.graph, store_dir)
     report = profile_model(options, path, fresh=fresh, progress=False)
     if report.interrupted:
-        raise ProfilingError(f"profiling {options.model} on {node} was interrupted")
-    name = f"{options.model}.graph" if options.graph else options.model
-    key = Keys(prefix).profile_result(name, node)
+        raise ProfilingError(f"profiling {options.model} on {host} was interrupted")
+    key = Keys(prefix).profile_result(result_name(options), node)
     job = get_current_job()
     if job is not None:
         job.connection.set(key, report.profile.model_dump_json(exclude_none=True))
-    return {"node": node, "key": key, "path": str(path.resolve()), "summary": report.summary(),
+    return {"node": node, "host": host, "key": key, "path": str(path.resolve()), "summary": report.summary(),
             **{k: v for k, v in report.as_dict().items() if k not in ("path",)}}
 
 
@@ -838,7 +870,7 @@ def enqueue_profile(
     q = Queue(queue or profile_queue_name(node), connection=connection)
     return q.enqueue_call(
         "optimizer.profiling.profile_job",
-        kwargs={"settings": options.model_dump(), "prefix": prefix, "store_dir": store_dir, "fresh": fresh},
+        kwargs={"settings": options.model_dump(), "node": node, "prefix": prefix, "store_dir": store_dir, "fresh": fresh},
         timeout=job_timeout_s,
         result_ttl=7 * 24 * 3600,
         description=f"profile {options.model} ({options.mode}) on {node}",

@@ -163,7 +163,9 @@ def decode_payload(content_type: str, payload: bytes) -> Any:
         if content_type == JSON:
             return json.loads(payload)
         if content_type == NPY:
-            return np.load(io.BytesIO(payload), allow_pickle=False)
+            # read_array, not np.load: np.load also opens .npz archives (and
+            # returns an NpzFile), which is not what this content type promises.
+            return np.lib.format.read_array(io.BytesIO(payload), allow_pickle=False)
         if content_type == TEXT:
             return payload.decode("utf-8")
         if content_type == BYTES:
@@ -178,7 +180,7 @@ def encode_payload(value: Any) -> tuple[bytes, str]:
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value), BYTES
     if isinstance(value, np.ndarray):
-        if value.dtype == object:
+        if value.dtype.hasobject:  # also structured dtypes with object fields
             raise TypeError("object arrays cannot be sent; they would need pickle")
         buf = io.BytesIO()
         np.save(buf, value, allow_pickle=False)

@@ -92,6 +92,32 @@ def test_matches_brute_force(problem):
     assert ref.predicted_latency_ms == expected[0]
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    T=st.integers(1, 24),
+    B=st.integers(1, 96),
+)
+def test_matches_reference_on_realistic_profiles(seed, T, B):
+    """Bigger than brute force can reach: Amdahl-like profiles with holes, against the recursion."""
+    rng = np.random.default_rng(seed)
+    threads = np.arange(1, 17)
+    batches = np.array([1, 2, 3, 4, 8, 16, 32])
+    p = rng.uniform(0.5, 0.99)
+    lat = (0.2 + batches[None, :]) * ((1 - p) + p / threads[:, None]) * rng.lognormal(0, 0.1, (16, 7))
+    lat[rng.random(lat.shape) < 0.2] = np.nan
+    try:
+        ref = solve_reference((threads, batches, lat), T, B)
+    except InfeasibleError:
+        with pytest.raises(InfeasibleError):
+            solve((threads, batches, lat), T, B)
+        return
+    config = solve((threads, batches, lat), T, B)
+    check_configuration(config, threads, batches, lat, T, B)
+    assert config.predicted_latency_ms == ref.predicted_latency_ms
+    assert config.threads <= ref.threads
+
+
 def table(rows: dict[tuple[int, int], float]):
     threads = sorted({t for t, _ in rows})
     batches = sorted({b for _, b in rows})

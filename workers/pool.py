@@ -122,6 +122,11 @@ class Pool:
     def _spawn(self, inst: Instance) -> None:
         env = dict(os.environ)
         env.update(thread_env(inst.record.threads))
+        # Model loading must stay offline, and its progress bars are noise in a server's log.
+        for name, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"),
+                            ("HF_HUB_DISABLE_PROGRESS_BARS", "1"), ("TRANSFORMERS_VERBOSITY", "error"),
+                            ("TOKENIZERS_PARALLELISM", "false")):
+            env.setdefault(name, value)
         inst.process = subprocess.Popen(
             [sys.executable, "-m", "workers.worker", inst.spec.model_dump_json()],
             env=env,

@@ -198,7 +198,9 @@ class Worker:
             if not outcome.ok:
                 errors += 1
                 pipe.xadd(req.reply_to, protocol.error_reply(req.id, outcome.error or "error", **timing))
-            pipe.expire(req.reply_to, self.settings.reply_ttl_s)
+        # One EXPIRE per reply stream, not per reply: a client's requests share one.
+        for reply_to in {req.reply_to for req in requests}:
+            pipe.expire(reply_to, self.settings.reply_ttl_s)
         pipe.xack(self.queue, WORKER_GROUP, entry_id)
         pipe.xdel(self.queue, entry_id)
         pipe.lpush(self.keys.wakeup(s.model), s.instance_id)

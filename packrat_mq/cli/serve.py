@@ -167,7 +167,8 @@ def dispatch(settings: Settings, model: str, batch_timeout_ms: float | None, pro
 
 @click.command()
 @click.option("--model", "-m", required=True)
-@click.option("--instances", "-i", default=None, help='"TxB,TxB,..."')
+@click.option("--instances", "-i", envvar="PACKRAT_INSTANCES", default=None,
+              help='"TxB,TxB,..." by hand (env PACKRAT_INSTANCES); else the optimizer picks.')
 @click.option("--threads", "-t", type=int, default=None)
 @click.option("--batch", "-b", type=int, default=None)
 @click.option("--profile", default=None)

@@ -1,0 +1,214 @@
+"""``packrat-mq profile run``: measure a model's latency profile on this machine.
+
+Here, in pinned child processes (see ``optimizer.profiling``), or with
+``--enqueue`` as an RQ job on another node's profiling worker.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from packrat_mq.cli.helpers import connect_or_fail, echo_json, err, redis_options
+from packrat_mq.settings import Settings
+
+
+def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        out = [int(v) for v in value.replace(" ", "").split(",") if v]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers such as 1,2,4,8, got {value!r}") from None
+    if not out or any(v < 1 for v in out):
+        raise click.BadParameter(f"expected positive integers, got {value!r}")
+    return out
+
+
+def _model_options(values: tuple[str, ...]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs; a VALUE that parses as JSON (numbers, true) is taken as such."""
+    out: dict[str, Any] = {}
+    for item in values:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint="--option")
+        try:
+            out[key] = json.loads(raw)
+        except ValueError:
+            out[key] = raw
+    return out
+
+
+@click.command("run")
+@click.option("--model", "models", multiple=True, required=True,
+              help="Zoo name (resnet50, bert, echo, ...) or module:Class; repeat for several models.")
+@click.option("--threads-max", type=click.IntRange(min=1), default=None,
+              help="Profile t = 1..T threads [default: the allowed physical cores of one socket].")
+@click.option("--batches", callback=_int_list, default=None, metavar="LIST",
+              help="Batch sizes, e.g. 1,2,4,8 [default: powers of two up to --max-batch].")
+@click.option("--max-batch", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Largest batch size when --batches is not given.")
+@click.option("--graph", is_flag=True, help="TorchScript trace + freeze, as served with graph mode.")
+@click.option("--option", "model_options", multiple=True, metavar="KEY=VALUE",
+              help="Handler option (Context.options), e.g. --option base_ms=5 for sleep.")
+@click.option("--rel-ci", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.02,
+              show_default=True, help="Stop timing once the mean is known within this fraction.")
+@click.option("--confidence", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.95,
+              show_default=True, help="Confidence level of that interval.")
+@click.option("--min-iters", type=click.IntRange(min=2), default=5, show_default=True)
+@click.option("--max-iters", type=click.IntRange(min=2), default=100, show_default=True)
+@click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True,
+              help="Untimed iterations before timing each (threads, batch).")
+@click.option("--budget-s", type=click.FloatRange(0, min_open=True), default=30.0, show_default=True,
+              help="Time budget per (threads, batch); --min-iters are always run.")
+@click.option("--max-latency-ms", type=click.FloatRange(0, min_open=True), default=None,
+              help="Latency SLO: stop growing the batch at a thread count once slower than this "
+              "(the profile then only plans under the SLO).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Profile file [default: profiles/<model>.json, profiles/<model>.graph.json with --graph].")
+@click.option("--fresh", is_flag=True, help="Ignore points already in the output file and start over.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--json", "as_json", is_flag=True, help="Print the run report as JSON.")
+@click.option("--enqueue", is_flag=True,
+              help="Do not measure here: queue an RQ job per model and --node for that node's worker.")
+@click.option("--node", "nodes", multiple=True,
+              help="With --enqueue: node(s) to profile on [default: this host].")
+@click.option("--queue", "queue_name", default=None,
+              help="With --enqueue: RQ queue name [default: packrat-profile-<node>].")
+@click.option("--store-dir", default="profiles", show_default=True,
+              help="With --enqueue: directory on the worker's node the profile is written to.")
+@click.option("--job-timeout", type=click.IntRange(min=1), default=6 * 3600, show_default=True,
+              help="With --enqueue: seconds before RQ gives the job up.")
+@redis_options
+def run(
+    settings: Settings,
+    models: tuple[str, ...],
+    threads_max: int | None,
+    batches: list[int] | None,
+    max_batch: int,
+    graph: bool,
+    model_options: tuple[str, ...],
+    rel_ci: float,
+    confidence: float,
+    min_iters: int,
+    max_iters: int,
+    warmup: int,
+    budget_s: float,
+    max_latency_ms: float | None,
+    output: Path | None,
+    fresh: bool,
+    quiet: bool,
+    as_json: bool,
+    enqueue: bool,
+    nodes: tuple[str, ...],
+    queue_name: str | None,
+    store_dir: str,
+    job_timeout: int,
+) -> None:
+    """Measure L[threads, batch] of a model the way it is served.
+
+    Each thread count runs in a fresh process pinned to that many physical
+    cores of one socket; each batch size is timed until its mean is known
+    within --rel-ci. The profile is saved after every point: Ctrl-C keeps what
+    is done, and the same command resumes.
+
+    \b
+    Examples:
+      packrat-mq profile run --model resnet50 --max-batch 32
+      packrat-mq profile run --model sleep --option base_ms=5 --batches 1,2,4 --threads-max 2
+      packrat-mq profile run --model bert --enqueue --node gpu-box-7 --redis-url redis://broker:6379
+    """
+    from optimizer.profiling import ProfilingError, ProfilingOptions, power_of_two_batches
+
+    if output is not None and len(models) > 1:
+        raise click.UsageError("-o/--output names one file; give one --model, or leave -o out")
+    if max_iters < min_iters:
+        raise click.UsageError(f"--max-iters ({max_iters}) must be >= --min-iters ({min_iters})")
+    handler_options = _model_options(model_options)
+    all_options = [
+        ProfilingOptions(
+            model=model,
+            threads_max=threads_max,
+            batches=batches or power_of_two_batches(max_batch),
+            graph=graph,
+            options=handler_options,
+            rel_ci=rel_ci,
+            confidence=confidence,
+            min_iters=min_iters,
+            max_iters=max_iters,
+            warmup=warmup,
+            budget_s=budget_s,
+            max_latency_ms=max_latency_ms,
+        )
+        for model in models
+    ]
+    if enqueue:
+        _enqueue(settings, all_options, nodes, queue_name, store_dir, fresh, job_timeout, as_json)
+        return
+    if nodes or queue_name:
+        raise click.UsageError("--node and --queue only apply with --enqueue")
+
+    from optimizer.profiling import profile_model
+
+    reports = []
+    failed = interrupted = False
+    for options in all_options:
+        try:
+            report = profile_model(options, output, fresh=fresh, progress=not quiet and not as_json)
+        except ProfilingError as exc:
+            raise click.ClickException(str(exc)) from None
+        reports.append(report)
+        if not as_json:
+            click.echo(report.summary())
+        failed = failed or bool(report.failed)
+        if report.interrupted:
+            interrupted = True
+            break
+    if as_json:
+        echo_json([r.as_dict() for r in reports])
+    if interrupted:
+        sys.exit(130)
+    if failed:
+        sys.exit(1)
+
+
+def _enqueue(
+    settings: Settings, all_options: list[Any], nodes: tuple[str, ...], queue_name: str | None,
+    store_dir: str, fresh: bool, job_timeout: int, as_json: bool,
+) -> None:
+    from optimizer.profiling import enqueue_profile, profile_queue_name, result_name
+
+    r, url = connect_or_fail(settings)
+    targets = nodes or (socket.gethostname(),)
+    jobs = []
+    for node in targets:
+        queue = queue_name or profile_queue_name(node)
+        for options in all_options:
+            job = enqueue_profile(
+                r, options, node=node, queue=queue, prefix=settings.prefix,
+                store_dir=store_dir, fresh=fresh, job_timeout_s=job_timeout,
+            )
+            jobs.append({
+                "job_id": job.id, "model": options.model, "node": node, "queue": queue,
+                "result_key": settings.keys.profile_result(result_name(options), node),
+                "worker_command": f"rq worker {queue} --url {url}",
+            })
+    if as_json:
+        echo_json(jobs)
+        return
+    for j in jobs:
+        click.echo(f"queued job {j['job_id']}: profile {j['model']} on {j['node']} (queue {j['queue']})")
+    for queue, node in sorted({(j["queue"], j["node"]) for j in jobs}):
+        click.echo(f"start the profiling worker on {node}, from a checkout with packrat-mq installed:")
+        click.echo(f"  rq worker {queue} --url {url}")
+    click.echo(
+        f"results: the profile JSON at {jobs[0]['result_key']} (and the like) in Redis, "
+        f"and in {store_dir}/ on the worker's node"
+    )
+    if url.startswith("unix://"):
+        err("note: a unix:// Redis URL is only reachable from this machine; "
+            "pass --redis-url redis://HOST:PORT for workers on other nodes")

