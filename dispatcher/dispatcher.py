@@ -82,6 +82,7 @@ class Dispatcher:
         self._raw_config: bytes | None = None
         self._batch_seq = 0
         self._recovering = True
+        self._recover_from: bytes | str = "0"
         self._stopping = False
         self.aggregator: Aggregator[Entry] = Aggregator(self._read)
 
@@ -97,9 +98,15 @@ class Dispatcher:
     def _read(self, count: int, block_ms: int | None) -> list[Entry]:
         if self._recovering:
             # Entries this consumer read before a restart and never fanned out.
-            resp = self.r.xreadgroup(DISPATCHER_GROUP, self.consumer, {self.stream: "0"}, count=count)
+            # They stay pending until their batch is dispatched, so the next
+            # read of the same batch starts after the last one handed out;
+            # from "0" it would return them again (duplicates in the batch).
+            resp = self.r.xreadgroup(
+                DISPATCHER_GROUP, self.consumer, {self.stream: self._recover_from}, count=count
+            )
             entries = resp[0][1] if resp else []
             if entries:
+                self._recover_from = entries[-1][0]
                 return entries
             self._recovering = False
         resp = self.r.xreadgroup(DISPATCHER_GROUP, self.consumer, {self.stream: ">"}, count=count, block=block_ms)
@@ -144,6 +151,7 @@ class Dispatcher:
             # covers a first deployment appearing and lost tokens.
             self.r.blpop([self.keys.wakeup(self.model)], timeout=0.1)
             return 0
+        self._recover_from = "0"  # the previous batch is acked: nothing handed out is pending
         entries = self.aggregator.next_batch(
             deployment.batch, self.settings.batch_timeout_ms, idle_block_ms=idle_block_ms
         )
@@ -163,6 +171,8 @@ class Dispatcher:
                 self.run_once()
             except redis.ConnectionError as exc:
                 log.warning("redis connection lost (%s); retrying in 0.5 s", exc)
+                # Entries read before the loss may be pending, not dispatched.
+                self._recovering = True
                 time.sleep(0.5)
 
     # --- fan-out --------------------------------------------------------
@@ -214,7 +224,11 @@ class Dispatcher:
             pipe.hincrby(stats_key, "rejected", len(rejected))
         if unanswerable:
             pipe.hincrby(stats_key, "unanswerable", unanswerable)
-        pipe.execute()
+        # EXEC runs every command even if one fails (a producer's reply_to
+        # naming a key of another type): log it rather than die over it.
+        for res in pipe.execute(raise_on_error=False):
+            if isinstance(res, redis.ResponseError):
+                log.warning("model %s: a reply could not be written: %s", self.model, res)
 
         self.stats.batches += 1
         self.stats.requests += len(entries)

@@ -45,7 +45,10 @@ def sweep(r: redis.Redis, settings: Settings, *, batch: int = 500) -> int:
                 else:
                     log.warning("dropped request %r for unknown model %r with no reply_to", rid, model)
             pipe.xdel(key, *(sid for sid, _ in entries))
-            pipe.execute()
+            # A reply_to naming a key of another type fails alone; the rest runs.
+            for res in pipe.execute(raise_on_error=False):
+                if isinstance(res, redis.ResponseError):
+                    log.warning("unknown model %r: a reply could not be written: %s", model, res)
             handled += len(entries)
         return handled
     finally:

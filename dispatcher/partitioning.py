@@ -29,6 +29,8 @@ def split(n: int, instances: Sequence[tuple[int, int]], latency: LatencyFn | Non
     bounds ``n``.
     """
     capacity = sum(b for _, b in instances)
+    if n < 0:
+        raise ValueError(f"batch size must be >= 0, not {n}")
     if n > capacity:
         raise ValueError(f"batch of {n} exceeds the configuration's capacity {capacity}")
     if n == capacity:
@@ -57,11 +59,15 @@ def profile_latency(table: dict[tuple[int, int], float]) -> LatencyFn:
         by_threads.setdefault(t, []).append((b, ms))
     for points in by_threads.values():
         points.sort()
+    # Mean ms per request-per-thread of the profile: puts the fallback for
+    # unprofiled thread counts in the profile's units, so it competes fairly.
+    ratios = [ms * t / b for (t, b), ms in table.items() if b > 0]
+    scale = sum(ratios) / len(ratios) if ratios else 1.0
 
     def latency(threads: int, batch: int) -> float:
         points = by_threads.get(threads)
         if not points:
-            return threads_latency(threads, batch)
+            return scale * threads_latency(threads, batch)
         if batch <= points[0][0]:
             return points[0][1] * batch / points[0][0] if batch < points[0][0] else points[0][1]
         for (b0, l0), (b1, l1) in zip(points, points[1:]):

@@ -372,13 +372,14 @@ class ProfilingReport:
             stops: dict[str, int] = {}
             for m in self.measured:
                 stops[m["stop"]] = stops.get(m["stop"], 0) + 1
-            share = 100.0 * self.saved_s / self.fixed_estimate_s if self.fixed_estimate_s > 0 else 0.0
+            saved = max(self.saved_s, 0.0)  # timer overhead can make tiny models "cost" a little
+            share = 100.0 * saved / self.fixed_estimate_s if self.fixed_estimate_s > 0 else 0.0
             lines.append(
                 f"adaptive schedule: {self.adaptive_s:.1f} s (model loads {self.load_s:.1f} s, "
                 f"{iters} timed iterations; stops: "
                 + ", ".join(f"{k} {v}" for k, v in sorted(stops.items()))
                 + f"); fixed {FIXED_WARMUP}+{FIXED_ITERS} schedule: ~{self.fixed_estimate_s:.1f} s; "
-                f"saved ~{self.saved_s:.1f} s ({share:.0f}%)"
+                f"saved ~{saved:.1f} s ({share:.0f}%)"
             )
         for f in self.failed:
             lines.append(f"FAILED t={f['threads']} b={f['batch']}: {f['error']}")

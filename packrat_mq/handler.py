@@ -220,7 +220,8 @@ def load_handler(spec: str) -> BaseHandler:
         cls = getattr(module, attr)
     except AttributeError as exc:
         raise ValueError(f"module {module_name!r} has no handler {attr!r}") from exc
-    handler = cls()
-    if not isinstance(handler, BaseHandler):
+    # Check before calling: an arbitrary callable (a function, a module) is
+    # neither run nor allowed to fail with an unrelated TypeError.
+    if not (isinstance(cls, type) and issubclass(cls, BaseHandler)):
         raise ValueError(f"{path} is not a packrat_mq.handler.BaseHandler subclass")
-    return handler
+    return cls()

@@ -20,3 +20,36 @@ class FailAboveOne(EchoHandler):
 
     def example_batch(self, n: int) -> list[Input]:
         return super().example_batch(n)
+
+
+class TinyLinear(EchoHandler):
+    """A traceable torch model small enough to profile in a test (graph mode path)."""
+
+    traceable = True
+
+    def load_model(self, context: Context) -> Any:
+        import torch
+
+        self.traced_batches: list[int] = []
+        torch.manual_seed(0)
+        return torch.nn.Linear(16, 4)
+
+    def example_batch(self, n: int) -> list[Input]:
+        return [Input(id=str(i), data=[float(i)] * 16, content_type="application/json") for i in range(n)]
+
+    def preprocess(self, items: list[Input]) -> Any:
+        import torch
+
+        return torch.tensor([item.data for item in items], dtype=torch.float32)
+
+    def inference(self, batch: Any) -> Any:
+        import torch
+
+        with torch.inference_mode():
+            return self.model(batch)
+
+    def postprocess(self, output: Any) -> list[Any]:
+        if self.context is not None and self.context.graph_mode:
+            # A traced module is a ScriptModule, not the eager Linear.
+            assert type(self.model).__name__ != "Linear", "graph mode did not trace"
+        return output.tolist()

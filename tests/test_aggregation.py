@@ -1,8 +1,6 @@
 """The aggregation loop, with a scripted reader and a fake clock (no Redis)."""
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from dispatcher.aggregation import Aggregator
 
 
@@ -18,8 +16,11 @@ class FakeTime:
 
     def sleep(self, seconds: float) -> None:
         assert seconds > 0
+        assert len(self.sleeps) < 100_000, "aggregation loop does not terminate"
         self.sleeps.append(seconds)
-        self.now += seconds
+        # A real sleep takes at least a few microseconds; without this floor a
+        # remaining window below the clock's resolution would never run out.
+        self.now += max(seconds, 1e-6)
 
 
 class FakeReader:
@@ -38,6 +39,7 @@ class FakeReader:
 
     def __call__(self, count: int, block_ms: int | None) -> list[str]:
         assert count > 0
+        assert len(self.calls) < 100_000, "aggregation loop does not terminate"
         self.calls.append((count, block_ms, self.t.now))
         got = self._ready(count)
         if got or block_ms is None:
@@ -124,23 +126,23 @@ def test_zero_timeout_drains_what_is_there_without_waiting() -> None:
 
 
 def test_final_drain_after_deadline_picks_up_arrivals() -> None:
-    # An entry that is there exactly when the window closes still joins.
-    calls: list[int | None] = []
+    # The window runs out during a poll sleep; what arrived meanwhile still joins.
     t = FakeTime()
-    script: list[Callable[[], list[str]]] = [
-        lambda: ["first"],
-        lambda: [],  # polling: nothing yet
-    ]
+    calls: list[tuple[int | None, float]] = []
 
     def read(count: int, block_ms: int | None) -> list[str]:
-        calls.append(block_ms)
-        if script:
-            return script.pop(0)()
-        t.now += 1.0  # anything later is past the deadline; the drain finds one
-        return ["at-deadline"] if block_ms is None else []
+        calls.append((block_ms, t.now))
+        if len(calls) == 1:
+            return ["first"]
+        if t.now - 100.0 >= 0.005:
+            return ["at-deadline"][:count] if not any(c[1] - 100.0 >= 0.005 for c in calls[:-1]) else []
+        return []
 
     agg: Aggregator[str] = Aggregator(read, clock=t.clock, sleep=t.sleep, poll_interval_ms=10.0)  # type: ignore[arg-type]
     assert agg.next_batch(4, timeout_ms=5.0) == ["first", "at-deadline"]
+    # The sleep was cut to the window, not the 10 ms poll interval.
+    assert t.sleeps[0] == 0.005 and abs(sum(t.sleeps) - 0.005) < 1e-9
+    assert all(block is None for block, _ in calls[1:])
 
 
 def test_long_window_blocks_until_a_tick_before_deadline() -> None:

@@ -132,6 +132,7 @@ def test_pin_current_process_in_a_child() -> None:
     assert out.stdout.strip() == f"[[{cpu}], \"1\", true]"
 
 
+@pytest.mark.slow
 def test_pin_sets_torch_threads_in_a_child() -> None:
     pytest.importorskip("torch")
     cpu = min(os.sched_getaffinity(0))

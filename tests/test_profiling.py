@@ -248,3 +248,13 @@ def test_cli_run_and_enqueue(tmp_path: Path) -> None:
     finally:
         with contextlib.suppress(Exception):
             server.shutdown(nosave=True)
+
+
+@pytest.mark.slow
+def test_graph_mode_traces_each_batch_size(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    opts = _quick("tests.profiling_fixtures:TinyLinear", graph=True, max_iters=10)
+    report = profile_model(opts, tmp_path / "tiny.graph.json", progress=False)
+    assert not report.failed, report.failed
+    profile = Profile.load(tmp_path / "tiny.graph.json")
+    assert profile.mode == "graph" and len(profile.entries) == 2

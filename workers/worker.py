@@ -114,6 +114,8 @@ class Worker:
                     self.process(entry_id, fields)
             except redis.ConnectionError as exc:
                 log.warning("redis connection lost (%s); retrying in 0.5 s", exc)
+                # A sub-batch read before the loss may still be pending here.
+                self._recovering = True
                 time.sleep(0.5)
         self.register("stopped")
 
@@ -209,7 +211,11 @@ class Worker:
         pipe.hincrby(stats, "replies", len(requests))
         if errors:
             pipe.hincrby(stats, "errors", errors)
-        pipe.execute()
+        # EXEC runs every command even if one fails (a producer's reply_to
+        # naming a key of another type): log it rather than die over it.
+        for res in pipe.execute(raise_on_error=False):
+            if isinstance(res, redis.ResponseError):
+                log.warning("instance %s: a reply could not be written: %s", s.instance_id, res)
         self.batches += 1
 
 

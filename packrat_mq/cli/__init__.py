@@ -28,7 +28,12 @@ _COMMANDS = [
     ("packrat_mq.cli.serve", "pool"),
     ("packrat_mq.cli.submit", "submit"),
     ("packrat_mq.cli.status", "status"),
+    ("packrat_mq.cli.optimize_cmd", "optimize"),
+    ("packrat_mq.cli.profile_cmd", "profile"),
 ]
 
 for _module, _attr in _COMMANDS:
     main.add_command(getattr(importlib.import_module(_module), _attr))
+
+# `profile run` lives in its own module: it drives the profiler, the rest of `profile` only reads files.
+main.commands["profile"].add_command(importlib.import_module("packrat_mq.cli.profile_run").run)  # type: ignore[attr-defined]

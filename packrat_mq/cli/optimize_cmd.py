@@ -33,7 +33,17 @@ from packrat_mq.instances import Configuration
     "--json", "as_json", is_flag=True,
     help='Print one JSON object: {"predicted_latency_ms", "instances": [{"threads", "batch", "count"}]}.',
 )
-def optimize(profile_ref: str, threads: int | None, batch: int, as_json: bool) -> None:
+@click.option("--calibrate", is_flag=True,
+              help="Serve the top-k predicted configurations for real on this machine, pick the best "
+                   "measured one and record the measurements in the profile.")
+@click.option("--top-k", "top_k", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Candidates to measure with --calibrate.")
+@click.option("--rounds", type=click.IntRange(min=1), default=15, show_default=True,
+              help="Measured batches per candidate with --calibrate.")
+@click.option("--redis-url", envvar="PACKRAT_REDIS_URL", default=None,
+              help="Redis for --calibrate (default: a private embedded server).")
+def optimize(profile_ref: str, threads: int | None, batch: int, as_json: bool, calibrate: bool,
+             top_k: int, rounds: int, redis_url: str | None) -> None:
     """Choose instances (threads, batch) that serve a batch with the lowest predicted latency.
 
     Splits T cores and a batch of B requests among model instances so that the
@@ -44,10 +54,13 @@ def optimize(profile_ref: str, threads: int | None, batch: int, as_json: bool) -
     Examples:
       packrat-mq optimize --profile resnet50 --threads 16 --batch 64
       packrat-mq optimize -p profiles/bert.json -t 32 -b 100 --json
+      packrat-mq optimize -p minilm -t 2 -b 8 --calibrate --top-k 3
     """
     path, prof = load_profile(profile_ref)
     budget = threads if threads is not None else default_threads(prof)
     config = plan(prof, budget, batch, where=path)
+    if calibrate:
+        config = run_calibration(prof, path, budget, batch, top_k, rounds, redis_url, as_json)
     if as_json:
         click.echo(json.dumps(to_json(config)))
     else:
@@ -93,3 +106,36 @@ def describe(prof: Profile, config: Configuration, budget: int) -> str:
     )
     lines.append(f"configuration: {compact(config)}")
     return "\n".join(lines)
+
+
+def run_calibration(prof: Profile, path: Path, threads: int, batch: int, top_k: int, rounds: int,
+                    redis_url: str | None, as_json: bool) -> Configuration:
+    """Measure the top-k candidates side by side as served; report and record them; return the best."""
+    from optimizer.calibration import calibrate
+    from packrat_mq.connection import EmbeddedRedis
+    from packrat_mq.settings import Settings
+
+    say = (lambda m: click.echo(m, err=True)) if as_json else click.echo
+    embedded = None
+    if redis_url is None:
+        embedded = EmbeddedRedis(announce=False).start()
+        redis_url = embedded.url
+    try:
+        best, results = calibrate(prof, redis_url, Settings(redis_url=redis_url, prefix="packrat-calibrate"),
+                                  threads, batch, k=top_k, rounds=rounds, progress=say)
+    except (InfeasibleError, RuntimeError) as exc:
+        raise click.ClickException(f"calibration: {exc}") from None
+    finally:
+        if embedded is not None:
+            embedded.stop()
+    say(f"{'configuration':<24} {'predicted ms':>12} {'measured p50':>12} {'p10..p90':>18}")
+    for m in results:
+        d = m.as_dict()
+        if m.error:
+            say(f"{d['configuration']:<24} {d['predicted_ms'] or float('nan'):>12.2f}   failed: {m.error}")
+            continue
+        say(f"{d['configuration']:<24} {d['predicted_ms'] or float('nan'):>12.2f} {d['measured_p50_ms']:>12.2f} "
+            f"{d['measured_p10_ms']:>8.2f}..{d['measured_p90_ms']:<8.2f}")
+    prof.save(path)
+    say(f"measured best: {best}; recorded in {path}")
+    return best

@@ -26,7 +26,7 @@ def load_profile(ref: str) -> tuple[Path, Profile]:
 
 @click.group("profile")
 def profile() -> None:
-    """Import, show and plot latency profiles L[threads, batch].
+    """Measure, import, show and plot latency profiles L[threads, batch].
 
     \b
     Examples:
@@ -39,7 +39,7 @@ def profile() -> None:
 @click.argument("csv_file", metavar="FILE.csv", type=click.Path(dir_okay=False, path_type=Path))
 @click.option(
     "-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
-    help="Profile to write [default: profiles/<model>.json].",
+    help="Profile to write [default: profiles/<model>.json, profiles/<model>.graph.json for --mode graph].",
 )
 @click.option("--model", default=None, help="Model name [default: the CSV file's stem].")
 @click.option(
@@ -67,7 +67,8 @@ def import_csv(
         prof = Profile.from_csv(csv_file, model=model, mode=mode, duplicates=duplicates)  # type: ignore[arg-type]
     except ProfileError as exc:
         raise click.ClickException(str(exc)) from None
-    output = output or Path("profiles") / f"{prof.model}.json"
+    # Same file names as the profiler, so `optimize -p <model>` finds either.
+    output = output or Path("profiles") / f"{prof.model}{'.graph' if prof.mode == 'graph' else ''}.json"
     if output.exists() and not force:
         raise click.ClickException(f"{output} exists; pass --force to overwrite it")
     prof.save(output)

@@ -58,10 +58,17 @@ def choose_configuration(
         err(f"no profile for {model!r}: serving one instance with {t} threads and batch {b} "
             f"(run `packrat-mq profile run --model {model}` to let the optimizer choose)")
         return Configuration.uniform(1, t, b), None
+    from optimizer.calibration import best_calibrated
     from optimizer.profile import Profile
 
     try:
-        config = solve(Profile.load(path), t, b)
+        loaded = Profile.load(path)
+        calibrated = best_calibrated(loaded, t, b)
+        if calibrated is not None:
+            config, row = calibrated
+            err(f"using the calibrated best for T={t}, B={b}: {config} (measured p50 {row.measured_p50_ms:.2f} ms)")
+        else:
+            config = solve(loaded, t, b)
     except ValueError as exc:
         raise click.ClickException(f"optimizer: {exc}") from None
     return config, str(path)

@@ -1,0 +1,184 @@
+"""The Python client against a dispatcher and an echo worker running in threads."""
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import redis
+
+from dispatcher.dispatcher import Dispatcher, ensure_group
+from packrat_mq import protocol
+from packrat_mq.client import Client, Reply, ReplyTimeout
+from packrat_mq.connection import connect
+from packrat_mq.deployment import Deployment, InstanceRecord
+from packrat_mq.keys import WORKER_GROUP
+from packrat_mq.settings import Settings
+from packrat_mq.zoo.testing import EchoHandler
+from workers.worker import Worker, WorkerSpec, build_context
+
+MODEL = "echo"
+
+
+@pytest.fixture
+def service(r: redis.Redis, redis_url: str, settings: Settings) -> Iterator[Dispatcher]:
+    """A dispatcher and two echo instances (batch 2 each), each in its own thread."""
+    dep = Deployment(
+        model=MODEL,
+        handler="echo",
+        instances=[InstanceRecord(id=f"i{j}", threads=1, batch=2) for j in range(2)],
+    )
+    r.set(settings.keys.config(MODEL), dep.model_dump_json())
+    workers = []
+    for inst in dep.instances:
+        spec = WorkerSpec(url=redis_url, settings=settings, model=MODEL, handler="echo", instance_id=inst.id, batch=2)
+        handler = EchoHandler()
+        handler.initialize(build_context(spec))
+        w = Worker(connect(redis_url), spec, handler)
+        ensure_group(w.r, w.queue, WORKER_GROUP)
+        # Shorter blocking reads than the default 1 s, so stopping is quick.
+        w.read = functools.partial(Worker.read, w, block_ms=100)  # type: ignore[method-assign]
+        workers.append(w)
+    d = Dispatcher(connect(redis_url), settings, MODEL)
+    threads = [threading.Thread(target=x.run, daemon=True) for x in (d, *workers)]
+    for t in threads:
+        t.start()
+    try:
+        yield d
+    finally:
+        d.stop()
+        for w in workers:
+            w.stop()
+        for t in threads:
+            t.join(5)
+        assert not any(t.is_alive() for t in threads)
+
+
+def test_submit(r: redis.Redis, service: Dispatcher) -> None:
+    c = Client(r)
+    reply = c.submit(MODEL, {"hello": [1, 2]}, timeout=10)
+    assert isinstance(reply, Reply)
+    assert reply.ok and reply.error == ""
+    assert reply.value() == {"hello": [1, 2]}
+    assert reply.latency_ms is not None and reply.latency_ms > 0
+    assert reply.queue_ms >= 0 and reply.inference_ms >= 0
+    assert reply.fields["model"] == MODEL and reply.fields["instance"] in {"i0", "i1"}
+    assert r.xlen(c.reply_to) == 0, "replies read are deleted"
+
+
+def test_submit_many_in_order(r: redis.Redis, service: Dispatcher) -> None:
+    c = Client(r)
+    items = [{"i": i} for i in range(7)] + ["text ✓", b"\x00raw", np.arange(3, dtype=np.int16)]
+    got = c.submit_many(MODEL, items, timeout=10)
+    assert len(got) == len(items)
+    values = [rep.value() for rep in got]
+    assert values[:8] == items[:8]
+    assert values[8] == b"\x00raw"
+    np.testing.assert_array_equal(values[9], items[9])
+    assert values[9].dtype == np.int16
+    assert all(rep.ok and rep.latency_ms is not None and rep.latency_ms > 0 for rep in got)
+    assert len({rep.id for rep in got}) == len(items)
+    assert r.xlen(c.reply_to) == 0
+    assert c._buffer == {} and c._sent_at == {}
+
+
+def test_two_clients_get_their_own_replies(r: redis.Redis, service: Dispatcher) -> None:
+    a, b = Client(r), Client(r)
+    ids_a = a.send_many(MODEL, ["a1", "a2", "a3"])
+    ids_b = b.send_many(MODEL, ["b1", "b2"])
+    assert [rep.value() for rep in b.gather(ids_b, timeout=10)] == ["b1", "b2"]
+    assert [rep.value() for rep in a.gather(ids_a, timeout=10)] == ["a1", "a2", "a3"]
+
+
+def test_unknown_model_gets_error_reply(r: redis.Redis, service: Dispatcher) -> None:
+    c = Client(r)
+    reply = c.submit("no-such-model", {"x": 1}, timeout=10)
+    assert not reply.ok
+    assert "unknown model 'no-such-model'" in reply.error and MODEL in reply.error
+    with pytest.raises(RuntimeError, match="unknown model"):
+        reply.value()
+
+
+def test_reply_timeout_when_nobody_answers(r: redis.Redis) -> None:
+    c = Client(r)
+    t0 = time.monotonic()
+    with pytest.raises(ReplyTimeout, match="1 of 1 replies not received within 0.3 s"):
+        c.submit("nobody", {"x": 1}, timeout=0.3)
+    assert 0.3 <= time.monotonic() - t0 < 2.0
+    assert r.xlen(c.keys.requests("nobody")) == 1  # still queued: may be served later
+
+
+def test_reply_timeout_counts_missing(r: redis.Redis) -> None:
+    c = Client(r)
+    ids = c.send_many("nobody", [1, 2, 3])
+    r.xadd(c.reply_to, protocol.reply_fields(ids[1], payload=b"2"))
+    with pytest.raises(ReplyTimeout, match="2 of 3"):
+        c.gather(ids, timeout=0.2)
+    # The reply that did come is kept for a later gather.
+    assert c.gather([ids[1]], timeout=0.1)[0].value() == 2
+
+
+def test_interleaved_replies_are_buffered(r: redis.Redis) -> None:
+    c = Client(r, client_id="me")
+    assert c.reply_to == "packrat:replies:me"
+    a = c.send("m", {"n": 1})
+    b = c.send("m", {"n": 2})
+    # The service answers b first, plus a reply for an id nobody here asked about.
+    r.xadd(c.reply_to, protocol.reply_fields(b, payload=b'{"n": 2}'))
+    r.xadd(c.reply_to, protocol.reply_fields("stranger", payload=b"0"))
+    r.xadd(c.reply_to, protocol.error_reply(a, "boom"))
+
+    [ra] = c.gather([a], timeout=2)
+    assert ra.id == a and not ra.ok and ra.error == "boom"
+    assert ra.latency_ms is not None and ra.latency_ms >= 0
+    assert r.xlen(c.reply_to) == 0  # all three read and deleted
+    assert set(c._buffer) == {b, "stranger"}
+
+    t0 = time.monotonic()
+    [rb] = c.gather([b], timeout=2)
+    assert time.monotonic() - t0 < 0.5, "a buffered reply must not wait for the stream"
+    assert rb.value() == {"n": 2} and rb.latency_ms is not None
+    assert c.gather(["stranger"], timeout=0.1)[0].latency_ms is None  # not sent by this client
+
+
+def test_gather_returns_in_requested_order(r: redis.Redis) -> None:
+    c = Client(r)
+    ids = c.send_many("m", [0, 1, 2, 3])
+    for rid in reversed(ids):
+        r.xadd(c.reply_to, protocol.reply_fields(rid, payload=protocol.encode_payload(ids.index(rid))[0]))
+    assert [rep.value() for rep in c.gather(ids, timeout=2)] == [0, 1, 2, 3]
+
+
+def test_request_fields_on_the_wire(r: redis.Redis, redis_url: str) -> None:
+    c = Client(redis_url, prefix="tenant", client_id="x")
+    rid = c.send("m", "hi", deadline_s=30)
+    [(_, f)] = r.xrange("tenant:requests:m")
+    assert f[b"id"] == rid.encode() and f[b"reply_to"] == b"tenant:replies:x"
+    assert f[b"payload"] == b"hi" and f[b"content_type"] == protocol.TEXT.encode()
+    deadline = int(f[b"deadline_ms"])
+    assert 25_000 < deadline - time.time() * 1000 <= 30_000
+    req = protocol.parse_request(_, f, max_payload_bytes=100)
+    assert req.id == rid and req.deadline_ms == deadline
+
+    c.send("m", b'{"a": 1}', content_type=protocol.JSON)
+    f2 = r.xrange("tenant:requests:m")[-1][1]
+    assert f2[b"payload"] == b'{"a": 1}' and f2[b"content_type"] == protocol.JSON.encode()
+    assert b"deadline_ms" not in f2
+
+
+def test_close_deletes_reply_stream(r: redis.Redis) -> None:
+    c = Client(r)
+    r.xadd(c.reply_to, {"id": "x"})
+    c.close()
+    assert not r.exists(c.reply_to)
+
+
+def test_expired_deadline_answered_by_dispatcher(r: redis.Redis, service: Dispatcher) -> None:
+    c = Client(r)
+    rid = c.send(MODEL, {"x": 1}, deadline_s=0.001)
+    time.sleep(0.01)
+    [reply] = c.gather([rid], timeout=10)
+    assert not reply.ok and "deadline exceeded" in reply.error

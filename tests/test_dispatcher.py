@@ -1,0 +1,448 @@
+"""The dispatcher loop against a real Redis, run in-process one batch at a time."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import redis
+
+from dispatcher.dispatcher import Dispatcher, ensure_group
+from dispatcher.orphans import sweep
+from packrat_mq import protocol
+from packrat_mq.deployment import Deployment, InstanceRecord
+from packrat_mq.keys import DISPATCHER_GROUP, WORKER_GROUP
+from packrat_mq.settings import Settings
+
+MODEL = "m"
+REPLY = "packrat:replies:c1"
+
+
+def deploy(
+    r: redis.Redis, settings: Settings, shares: list[tuple[int, int]], *, model: str = MODEL, generation: int = 1
+) -> Deployment:
+    dep = Deployment(
+        model=model,
+        handler="echo",
+        generation=generation,
+        instances=[InstanceRecord(id=f"g{generation}i{j}", threads=t, batch=b) for j, (t, b) in enumerate(shares)],
+    )
+    r.set(settings.keys.config(model), dep.model_dump_json())
+    for inst in dep.instances:
+        ensure_group(r, settings.keys.queue(model, inst.id), WORKER_GROUP)
+    return dep
+
+
+def make_dispatcher(r: redis.Redis, settings: Settings, model: str = MODEL, **kw: Any) -> Dispatcher:
+    d = Dispatcher(r, settings, model, **kw)
+    d.setup()
+    d.refresh_deployment(r.get(settings.keys.config(model)))
+    assert d.deployment is not None
+    return d
+
+
+def send(r: redis.Redis, settings: Settings, n: int, *, model: str = MODEL, start: int = 0, **overrides: Any) -> list[str]:
+    ids = []
+    for i in range(start, start + n):
+        f = protocol.request_fields(f"req-{i}", REPLY, f'{{"i": {i}}}'.encode(), protocol.JSON)
+        f.update(overrides)
+        f = {k: v for k, v in f.items() if v is not None}
+        r.xadd(settings.keys.requests(model), f)
+        ids.append(f"req-{i}")
+    return ids
+
+
+def queued(r: redis.Redis, settings: Settings, dep: Deployment) -> dict[str, list[list[protocol.Request]]]:
+    """Sub-batches in each instance queue, decoded."""
+    return {
+        inst.id: [protocol.decode_subbatch(f) for _, f in r.xrange(settings.keys.queue(dep.model, inst.id))]
+        for inst in dep.instances
+    }
+
+
+def replies(r: redis.Redis, stream: str = REPLY) -> list[dict[str, str]]:
+    return [
+        {k.decode(): v.decode() for k, v in f.items() if k != b"payload"} for _, f in r.xrange(stream)
+    ]
+
+
+def pending(r: redis.Redis, settings: Settings, model: str = MODEL) -> int:
+    return int(r.xpending(settings.keys.requests(model), DISPATCHER_GROUP)["pending"])
+
+
+# --- fan-out ----------------------------------------------------------------
+def test_full_batch_split_per_deployment(r: redis.Redis, settings: Settings) -> None:
+    dep = deploy(r, settings, [(4, 4), (2, 2), (2, 2)])
+    d = make_dispatcher(r, settings)
+    ids = send(r, settings, 8)
+    assert d.run_once() == 8
+
+    q = queued(r, settings, dep)
+    assert [len(q[i.id]) for i in dep.instances] == [1, 1, 1]  # one sub-batch each
+    sizes = [len(q[i.id][0]) for i in dep.instances]
+    assert sizes == [4, 2, 2]
+    # Arrival order is kept across the instances.
+    flat = [req.id for inst in dep.instances for req in q[inst.id][0]]
+    assert flat == ids
+    first = q[dep.instances[0].id][0][0]
+    assert first.reply_to == REPLY and first.payload == b'{"i": 0}' and first.content_type == protocol.JSON
+    assert r.xlen(settings.keys.requests(MODEL)) == 0
+    assert pending(r, settings) == 0
+    stats = r.hgetall(settings.keys.stats(MODEL))
+    assert stats[b"requests"] == b"8" and stats[b"batches"] == b"1"
+    assert d.stats.sizes == {8: 1}
+    assert replies(r) == []  # nothing answered by the dispatcher
+    assert MODEL.encode() in r.smembers(settings.keys.models())
+
+
+def test_fan_out_is_one_transaction(r: redis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    dep = deploy(r, settings, [(2, 2), (2, 2)])
+    d = make_dispatcher(r, settings)
+    send(r, settings, 4)
+    executed: list[tuple[bool, list[tuple[str, str]]]] = []
+    real_pipeline = r.pipeline
+
+    def spy(transaction: bool = True, **kw: Any) -> Any:
+        pipe = real_pipeline(transaction=transaction, **kw)
+        real_execute = pipe.execute
+
+        def execute(*a: Any, **k: Any) -> Any:
+            executed.append((transaction, [(str(c[0][0]), str(c[0][1])) for c in pipe.command_stack]))
+            return real_execute(*a, **k)
+
+        pipe.execute = execute  # type: ignore[method-assign]
+        return pipe
+
+    monkeypatch.setattr(r, "pipeline", spy)
+    assert d.run_once() == 4
+    stream = settings.keys.requests(MODEL)
+    fanouts = [cmds for tx, cmds in executed if any(name == "XDEL" for name, _ in cmds)]
+    assert len(fanouts) == 1
+    [(tx, cmds)] = [(tx, c) for tx, c in executed if c is fanouts[0]]
+    assert tx, "queue XADDs and request XACK/XDEL must be one MULTI/EXEC"
+    assert ("XACK", stream) in cmds and ("XDEL", stream) in cmds
+    for inst in dep.instances:
+        assert ("XADD", settings.keys.queue(MODEL, inst.id)) in cmds
+    assert r.xlen(stream) == 0
+
+
+def test_bad_requests_answered_rest_dispatched(r: redis.Redis, settings: Settings) -> None:
+    dep = deploy(r, settings, [(2, 4), (2, 4)])
+    d = make_dispatcher(r, settings)
+    stream = settings.keys.requests(MODEL)
+    good = send(r, settings, 2)
+    r.xadd(stream, {"id": "bad-ct", "reply_to": REPLY, "payload": b"x", "content_type": "image/png"})
+    r.xadd(stream, {"reply_to": REPLY, "payload": b"x"})  # no id
+    r.xadd(stream, {"id": "late", "reply_to": REPLY, "payload": b"{}", "deadline_ms": int(time.time() * 1000) - 5})
+    r.xadd(stream, {"id": "huge", "reply_to": "other:reply", "payload": b"x" * (settings.max_payload_bytes + 1)})
+    r.xadd(stream, {"id": "anon", "payload": b"{}"})  # no reply_to: cannot be answered
+    good += send(r, settings, 1, start=10)
+
+    assert d.run_once() == 8
+    q = queued(r, settings, dep)
+    dispatched = [req.id for subs in q.values() for sub in subs for req in sub]
+    assert sorted(dispatched) == sorted(good)
+
+    errs = {rep["id"]: rep for rep in replies(r)}
+    assert set(errs) == {"bad-ct", "", "late"}
+    assert all(rep["status"] == protocol.ERROR and rep["model"] == MODEL for rep in errs.values())
+    assert "image/png" in errs["bad-ct"]["error"]
+    assert "missing id" in errs[""]["error"]
+    assert "deadline exceeded" in errs["late"]["error"]
+    [other] = replies(r, "other:reply")
+    assert other["id"] == "huge" and "over the limit" in other["error"]
+    assert 0 < r.ttl(REPLY) <= settings.reply_ttl_s
+    assert 0 < r.ttl("other:reply") <= settings.reply_ttl_s
+
+    assert r.xlen(stream) == 0 and pending(r, settings) == 0
+    stats = r.hgetall(settings.keys.stats(MODEL))
+    assert stats[b"requests"] == b"8"
+    assert stats[b"rejected"] == b"5"
+    assert stats[b"unanswerable"] == b"1"
+    assert d.stats.rejected == 5 and d.stats.unanswerable == 1
+
+
+def test_request_without_reply_to_dropped_and_counted(r: redis.Redis, settings: Settings) -> None:
+    dep = deploy(r, settings, [(1, 2)])
+    d = make_dispatcher(r, settings)
+    r.xadd(settings.keys.requests(MODEL), {"id": "x", "payload": b"{}"})
+    assert d.run_once() == 1
+    assert r.xlen(settings.keys.requests(MODEL)) == 0
+    assert queued(r, settings, dep) == {dep.instances[0].id: []}
+    assert r.hget(settings.keys.stats(MODEL), "unanswerable") == b"1"
+    # Nothing was written anywhere a reply could go.
+    assert [k for k in r.scan_iter("packrat:replies:*")] == []
+
+
+def test_whole_batch_rejected_sends_no_sub_batch(r: redis.Redis, settings: Settings) -> None:
+    dep = deploy(r, settings, [(1, 2), (1, 2)])
+    d = make_dispatcher(r, settings)
+    send(r, settings, 2, content_type="bad/type")
+    assert d.run_once() == 2
+    assert all(subs == [] for subs in queued(r, settings, dep).values())
+    assert len(replies(r)) == 2
+
+
+# --- partial batches ---------------------------------------------------------
+def test_partial_batch_after_timeout(r: redis.Redis, settings: Settings) -> None:
+    dep = deploy(r, settings, [(4, 8), (2, 4), (2, 4)])
+    d = make_dispatcher(r, settings)
+    send(r, settings, 6)
+    t0 = time.monotonic()
+    assert d.run_once() == 6
+    elapsed_ms = (time.monotonic() - t0) * 1000
+    assert elapsed_ms >= settings.batch_timeout_ms
+    assert elapsed_ms < 1000
+    q = queued(r, settings, dep)
+    sizes = [sum(len(s) for s in q[i.id]) for i in dep.instances]
+    assert sizes == [4, 1, 1]  # split by threads: the 4-thread instance takes more
+    assert d.stats.sizes == {6: 1}
+
+
+def test_partial_batch_split_by_latency(r: redis.Redis, settings: Settings) -> None:
+    dep = deploy(r, settings, [(4, 8), (2, 4), (2, 4)])
+    d = make_dispatcher(r, settings, latency=lambda t, b: float(b))  # threads do not help
+    send(r, settings, 6)
+    assert d.run_once() == 6
+    q = queued(r, settings, dep)
+    assert [sum(len(s) for s in q[i.id]) for i in dep.instances] == [2, 2, 2]
+
+
+def test_idle_returns_nothing(r: redis.Redis, settings: Settings) -> None:
+    deploy(r, settings, [(1, 2)])
+    d = make_dispatcher(r, settings)
+    t0 = time.monotonic()
+    assert d.run_once(idle_block_ms=50) == 0
+    assert time.monotonic() - t0 < 1.0
+    assert d.stats.batches == 0
+
+
+def test_batches_larger_than_b_are_split_over_rounds(r: redis.Redis, settings: Settings) -> None:
+    dep = deploy(r, settings, [(1, 2), (1, 2)])
+    d = make_dispatcher(r, settings, max_waiting=10)
+    send(r, settings, 9)
+    assert [d.run_once() for _ in range(3)] == [4, 4, 1]
+    q = queued(r, settings, dep)
+    ids = [req.id for inst in dep.instances for sub in q[inst.id] for req in sub]
+    assert sorted(ids) == sorted(f"req-{i}" for i in range(9))
+
+
+# --- flow control ------------------------------------------------------------
+def test_no_read_while_an_instance_queue_is_full(r: redis.Redis, settings: Settings) -> None:
+    dep = deploy(r, settings, [(2, 2), (2, 2)])
+    d = make_dispatcher(r, settings, max_waiting=1)
+    busy = settings.keys.queue(MODEL, dep.instances[1].id)
+    r.xadd(busy, {"batch": "running", "meta": "[]"})
+    r.xadd(busy, {"batch": "waiting", "meta": "[]"})
+    send(r, settings, 4)
+    assert d.run_once() == 0
+    stream = settings.keys.requests(MODEL)
+    assert r.xlen(stream) == 4
+    assert pending(r, settings) == 0, "the backlog must stay unread in the request stream"
+    assert r.xlen(settings.keys.queue(MODEL, dep.instances[0].id)) == 0
+
+    # A worker finishes one sub-batch and pushes a wake-up token: room again.
+    r.xtrim(busy, maxlen=1, approximate=False)
+    r.lpush(settings.keys.wakeup(MODEL), dep.instances[1].id)
+    assert d.run_once() == 4
+    assert r.xlen(stream) == 0
+    assert r.xlen(busy) == 2
+
+
+def test_blocked_dispatcher_wakes_on_token(r: redis.Redis, settings: Settings) -> None:
+    dep = deploy(r, settings, [(2, 2)])
+    d = make_dispatcher(r, settings)
+    busy = settings.keys.queue(MODEL, dep.instances[0].id)
+    for _ in range(2):
+        r.xadd(busy, {"meta": "[]"})
+    r.lpush(settings.keys.wakeup(MODEL), "x")
+    t0 = time.monotonic()
+    assert d.run_once() == 0
+    assert time.monotonic() - t0 < 0.09  # the token ended the wait, not the 0.1 s timeout
+    assert r.llen(settings.keys.wakeup(MODEL)) == 0
+
+
+# --- deployments -------------------------------------------------------------
+def test_no_deployment_reads_nothing(r: redis.Redis, settings: Settings) -> None:
+    d = Dispatcher(r, settings, MODEL)
+    d.setup()
+    send(r, settings, 2)
+    assert d.run_once() == 0
+    assert r.xlen(settings.keys.requests(MODEL)) == 2 and pending(r, settings) == 0
+
+
+def test_new_deployment_generation_is_picked_up(r: redis.Redis, settings: Settings) -> None:
+    old = deploy(r, settings, [(1, 2)])
+    d = make_dispatcher(r, settings)
+    send(r, settings, 2)
+    assert d.run_once() == 2
+    new = deploy(r, settings, [(2, 1), (2, 1), (2, 1)], generation=2)
+    send(r, settings, 3, start=2)
+    assert d.run_once() == 0  # first look at the new deployment: measure its queues
+    assert d.deployment is not None and d.deployment.generation == 2
+    assert d.run_once() == 3
+    assert [len(v) for v in queued(r, settings, old).values()] == [1]
+    assert [len(v) for v in queued(r, settings, new).values()] == [1, 1, 1]
+
+
+# --- recovery ----------------------------------------------------------------
+def test_entries_read_but_not_dispatched_are_recovered(r: redis.Redis, settings: Settings) -> None:
+    dep = deploy(r, settings, [(2, 2), (2, 2)])
+    Dispatcher(r, settings, MODEL).setup()
+    stream = settings.keys.requests(MODEL)
+    ids = send(r, settings, 3)
+    # The previous dispatcher read these and died before its MULTI/EXEC.
+    got = r.xreadgroup(DISPATCHER_GROUP, "dispatcher", {stream: ">"}, count=3)
+    assert len(got[0][1]) == 3 and pending(r, settings) == 3
+    later = send(r, settings, 1, start=3)
+
+    d = make_dispatcher(r, settings)
+    total = 0
+    for _ in range(3):
+        total += d.run_once(idle_block_ms=20)
+    q = queued(r, settings, dep)
+    dispatched = [req.id for inst in dep.instances for sub in q[inst.id] for req in sub]
+    assert sorted(dispatched) == sorted(ids + later), "each request exactly once"
+    assert len(dispatched) == len(set(dispatched))
+    assert r.xlen(stream) == 0 and pending(r, settings) == 0
+
+
+def test_recovery_of_more_entries_than_a_batch(r: redis.Redis, settings: Settings) -> None:
+    dep = deploy(r, settings, [(1, 2)])
+    Dispatcher(r, settings, MODEL).setup()
+    stream = settings.keys.requests(MODEL)
+    ids = send(r, settings, 5)
+    r.xreadgroup(DISPATCHER_GROUP, "dispatcher", {stream: ">"}, count=5)
+    d = make_dispatcher(r, settings, max_waiting=10)
+    sizes = [d.run_once(idle_block_ms=20) for _ in range(4)]
+    q = queued(r, settings, dep)
+    dispatched = [req.id for sub in q[dep.instances[0].id] for req in sub]
+    assert dispatched == ids
+    assert sizes[:3] == [2, 2, 1]
+    assert pending(r, settings) == 0
+
+
+def test_pending_entry_deleted_meanwhile_is_acked(r: redis.Redis, settings: Settings) -> None:
+    dep = deploy(r, settings, [(1, 2)])
+    Dispatcher(r, settings, MODEL).setup()
+    stream = settings.keys.requests(MODEL)
+    send(r, settings, 2)
+    [(_, entries)] = r.xreadgroup(DISPATCHER_GROUP, "dispatcher", {stream: ">"}, count=2)
+    r.xdel(stream, entries[0][0])
+    d = make_dispatcher(r, settings)
+    for _ in range(2):
+        d.run_once(idle_block_ms=20)
+    q = queued(r, settings, dep)
+    assert [req.id for sub in q[dep.instances[0].id] for req in sub] == ["req-1"]
+    assert pending(r, settings) == 0
+
+
+# --- orphans -----------------------------------------------------------------
+def test_sweep_answers_unknown_model(r: redis.Redis, settings: Settings) -> None:
+    deploy(r, settings, [(1, 2)])
+    make_dispatcher(r, settings)  # registers MODEL as served
+    send(r, settings, 2)  # for the served model: left alone
+    ghost = settings.keys.requests("ghost")
+    r.xadd(ghost, {"id": "g1", "reply_to": REPLY, "payload": b"{}"})
+    r.xadd(ghost, {"id": "g2", "reply_to": "packrat:replies:c2", "payload": b"{}"})
+    r.xadd(ghost, {"id": "g3", "payload": b"{}"})  # no reply_to: dropped
+
+    assert sweep(r, settings) == 3
+    assert r.xlen(ghost) == 0
+    [g1] = replies(r)
+    [g2] = replies(r, "packrat:replies:c2")
+    for rep, rid in ((g1, "g1"), (g2, "g2")):
+        assert rep["id"] == rid and rep["status"] == protocol.ERROR
+        assert "unknown model 'ghost'" in rep["error"]
+        assert MODEL in rep["error"]  # says what is served
+    assert r.ttl(REPLY) > 0
+    assert r.xlen(settings.keys.requests(MODEL)) == 2
+    assert r.get(settings.keys.lock("orphan-sweep")) is None
+    assert sweep(r, settings) == 0  # nothing left
+
+
+def test_sweep_skipped_while_another_holds_the_lock(r: redis.Redis, settings: Settings) -> None:
+    ghost = settings.keys.requests("ghost")
+    r.xadd(ghost, {"id": "g1", "reply_to": REPLY, "payload": b"{}"})
+    r.set(settings.keys.lock("orphan-sweep"), "1", px=2000)
+    assert sweep(r, settings) == 0
+    assert r.xlen(ghost) == 1 and replies(r) == []
+
+
+def test_sweep_ignores_other_prefixes_and_non_streams(r: redis.Redis, settings: Settings) -> None:
+    r.xadd("other:requests:ghost", {"id": "x", "reply_to": REPLY, "payload": b"{}"})
+    r.set(settings.keys.requests("not-a-stream"), "v")
+    assert sweep(r, settings) == 0
+    assert r.xlen("other:requests:ghost") == 1 and replies(r) == []
+
+
+def test_sweep_respects_prefix(r: redis.Redis, redis_url: str) -> None:
+    s = Settings(redis_url=redis_url, prefix="tenant")
+    r.xadd("tenant:requests:ghost", {"id": "x", "reply_to": "tenant:replies:c", "payload": b"{}"})
+    r.xadd("packrat:requests:ghost", {"id": "y", "reply_to": REPLY, "payload": b"{}"})
+    assert sweep(r, s) == 1
+    assert replies(r, "tenant:replies:c")[0]["id"] == "x"
+    assert r.xlen("packrat:requests:ghost") == 1
+
+
+# --- robustness ----------------------------------------------------------------
+def test_reply_to_of_wrong_type_does_not_kill_the_dispatcher(r: redis.Redis, settings: Settings) -> None:
+    dep = deploy(r, settings, [(1, 4)])
+    d = make_dispatcher(r, settings)
+    r.set("not-a-stream", "v")
+    stream = settings.keys.requests(MODEL)
+    r.xadd(stream, {"id": "evil", "reply_to": "not-a-stream", "payload": b"x", "content_type": "bad/type"})
+    good = send(r, settings, 1)
+    r.xadd(stream, {"id": "bad", "reply_to": REPLY, "payload": b"x", "content_type": "bad/type"})
+    assert d.run_once() == 3
+    assert [req.id for sub in queued(r, settings, dep)[dep.instances[0].id] for req in sub] == good
+    assert [rep["id"] for rep in replies(r)] == ["bad"]
+    assert r.get("not-a-stream") == b"v"
+    assert r.xlen(stream) == 0 and pending(r, settings) == 0
+    assert r.hget(settings.keys.stats(MODEL), "rejected") == b"2"
+
+
+def test_sweep_survives_reply_to_of_wrong_type(r: redis.Redis, settings: Settings) -> None:
+    r.set("not-a-stream", "v")
+    ghost = settings.keys.requests("ghost")
+    r.xadd(ghost, {"id": "g0", "reply_to": "not-a-stream", "payload": b"{}"})
+    r.xadd(ghost, {"id": "g1", "reply_to": REPLY, "payload": b"{}"})
+    assert sweep(r, settings) == 2
+    assert [rep["id"] for rep in replies(r)] == ["g1"]
+    assert r.xlen(ghost) == 0
+
+
+def test_connection_loss_mid_batch_does_not_strand_requests(
+    r: redis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    import dispatcher.dispatcher as dispatcher_module
+
+    dep = deploy(r, settings, [(2, 2), (2, 2)])
+    d = make_dispatcher(r, settings)
+    monkeypatch.setattr(dispatcher_module.time, "sleep", lambda s: None)  # the 0.5 s retry pause
+    real_dispatch = d.dispatch
+    calls = []
+
+    def flaky(entries: Any, deployment: Any) -> None:
+        calls.append(len(entries))
+        if len(calls) == 1:
+            raise redis.ConnectionError("connection reset")  # read, never fanned out
+        real_dispatch(entries, deployment)
+
+    d.dispatch = flaky  # type: ignore[method-assign]
+    ids = send(r, settings, 4)
+    t = threading.Thread(target=d.run, daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and pending(r, settings) + r.xlen(settings.keys.requests(MODEL)) > 0:
+            time.sleep(0.01)
+    finally:
+        d.stop()
+        t.join(5)
+    assert not t.is_alive()
+    dispatched = [req.id for subs in queued(r, settings, dep).values() for sub in subs for req in sub]
+    assert sorted(dispatched) == sorted(ids)
+    assert pending(r, settings) == 0

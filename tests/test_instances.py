@@ -1,0 +1,157 @@
+"""Configuration strings and the Redis key builder."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+from pydantic import ValidationError
+
+from packrat_mq.instances import Configuration, ConfigurationError, InstanceSpec
+from packrat_mq.keys import Keys
+from packrat_mq.settings import Settings
+
+
+def shape(c: Configuration) -> list[tuple[int, int]]:
+    return [(i.threads, i.batch) for i in c.instances]
+
+
+# --- Configuration.parse ----------------------------------------------------
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("4x8", [(4, 8)]),
+        ("4x8,2x4", [(4, 8), (2, 4)]),
+        ("2*2x4", [(2, 4), (2, 4)]),
+        ("3x2x4", [(2, 4), (2, 4), (2, 4)]),
+        ("4x8,2*2x4", [(4, 8), (2, 4), (2, 4)]),
+        (" 4x8 , 2 * 2x4 ", [(4, 8), (2, 4), (2, 4)]),
+        ("4 x 8", [(4, 8)]),
+        ("1x1,", [(1, 1)]),
+        ("1*16x32", [(16, 32)]),
+    ],
+)
+def test_parse_forms(text: str, expected: list[tuple[int, int]]) -> None:
+    assert shape(Configuration.parse(text)) == expected
+
+
+def test_parse_round_trips_through_str() -> None:
+    c = Configuration.parse("4x8,2*2x4")
+    assert str(c) == "4x8,2x4,2x4"
+    assert Configuration.parse(str(c)) == c
+
+
+@pytest.mark.parametrize("text", ["", " ", ",", ", ,"])
+def test_parse_empty(text: str) -> None:
+    with pytest.raises(ConfigurationError, match="no instances"):
+        Configuration.parse(text)
+
+
+@pytest.mark.parametrize("text", ["4", "4x", "x8", "4y8", "4x8x", "a*2x4", "4x-1", "2x4;1x1", "4.0x8", "2**2x4"])
+def test_parse_malformed_says_what_is_expected(text: str) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        Configuration.parse(text)
+    message = str(info.value)
+    assert "expected THREADSxBATCH" in message
+    assert "e.g. 4x8" in message
+
+
+@pytest.mark.parametrize("text", ["0x4", "4x0", "0*2x4", "0x2x4"])
+def test_parse_zero_values(text: str) -> None:
+    with pytest.raises(ConfigurationError, match=">= 1"):
+        Configuration.parse(text)
+
+
+def test_parse_error_names_the_bad_instance() -> None:
+    with pytest.raises(ConfigurationError, match="'2y4'"):
+        Configuration.parse("4x8,2y4")
+
+
+def test_configuration_error_is_value_error() -> None:
+    assert issubclass(ConfigurationError, ValueError)
+
+
+def test_sums() -> None:
+    c = Configuration.parse("4x8,2*2x4")
+    assert c.batch == 16
+    assert c.threads == 8
+    assert Configuration.uniform(3, 2, 5).batch == 15
+    assert Configuration.uniform(3, 2, 5).threads == 6
+
+
+def test_grouped_largest_first() -> None:
+    c = Configuration.parse("2x4,4x8,2x4,2x2,4x8,1x1")
+    assert c.grouped() == [
+        {"threads": 4, "batch": 8, "count": 2},
+        {"threads": 2, "batch": 4, "count": 2},
+        {"threads": 2, "batch": 2, "count": 1},
+        {"threads": 1, "batch": 1, "count": 1},
+    ]
+    assert sum(g["count"] for g in c.grouped()) == len(c.instances)
+
+
+def test_invalid_specs_rejected() -> None:
+    with pytest.raises(ValidationError):
+        InstanceSpec(threads=0, batch=1)
+    with pytest.raises(ValidationError):
+        InstanceSpec(threads=1, batch=0)
+    with pytest.raises(ValueError, match="at least one instance"):
+        Configuration(instances=())
+
+
+def test_configuration_is_immutable_and_hashable() -> None:
+    c = Configuration.parse("2x4")
+    with pytest.raises(ValidationError):
+        c.instances = ()  # type: ignore[misc]
+    assert hash(c) == hash(Configuration.parse("2x4"))
+
+
+# --- Keys -------------------------------------------------------------------
+def all_keys(k: Keys) -> dict[str, str]:
+    """Every key builder of ``Keys``, called with plausible names."""
+    args = {"model": "resnet50", "instance_id": "i3", "client_id": "c0ffee", "node": "node-a", "name": "sweep"}
+    out = {}
+    for name, fn in inspect.getmembers(k, predicate=inspect.ismethod):
+        if name.startswith("_"):
+            continue
+        params = inspect.signature(fn).parameters
+        out[name] = fn(*(args[p] for p in params))
+    return out
+
+
+@pytest.mark.parametrize("prefix", ["packrat", "tenant-a", "x.y_z"])
+def test_keys_have_no_empty_segments_and_use_prefix(prefix: str) -> None:
+    keys = all_keys(Keys(prefix))
+    assert len(keys) >= 11  # every builder was found and called
+    for name, key in keys.items():
+        assert "::" not in key, (name, key)
+        assert not key.endswith(":") and not key.startswith(":"), (name, key)
+        segments = key.split(":")
+        assert all(segments), (name, key)
+        assert segments[0] == prefix, (name, key)
+        assert len(segments) >= 3, (name, key)
+
+
+def test_keys_are_distinct() -> None:
+    keys = all_keys(Keys())
+    assert len(set(keys.values())) == len(keys)
+
+
+def test_key_layout() -> None:
+    k = Keys("p")
+    assert k.requests("m") == "p:requests:m"
+    assert k.queue("m", "i0") == "p:queue:m:i0"
+    assert k.wakeup("m") == "p:wakeup:m"
+    assert k.replies("c") == "p:replies:c"
+    assert k.config("m") == "p:config:m"
+    assert k.instance("m", "i0") == "p:instance:m:i0"
+    assert k.stats("m") == "p:stats:m"
+    assert k.lock("x") == "p:lock:x"
+    assert k.models() == "p:index:models"
+    assert k.instances("m") == "p:index:instances:m"
+
+
+def test_settings_keys_follow_prefix() -> None:
+    assert Settings(prefix="tenant-b").keys.requests("m") == "tenant-b:requests:m"
+    assert Keys().prefix == "packrat"
+    with pytest.raises(ValidationError):
+        Settings(prefix="a:b")  # a colon would make keys ambiguous

@@ -1,0 +1,324 @@
+"""A worker instance in-process against a real Redis: replies, acks, redelivery."""
+from __future__ import annotations
+
+import io
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+
+from dispatcher.dispatcher import ensure_group
+from packrat_mq import protocol
+from packrat_mq.handler import BaseHandler, Context
+from packrat_mq.keys import WORKER_GROUP
+from packrat_mq.settings import Settings
+from packrat_mq.zoo.testing import EchoHandler, SleepHandler
+from workers.worker import Worker, WorkerSpec, build_context
+
+MODEL = "m"
+REPLY = "packrat:replies:c1"
+
+
+class Counting(EchoHandler):
+    """Echo that counts the batches it ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def inference(self, batch: Any) -> Any:
+        self.calls += 1
+        return batch
+
+
+class Unencodable(EchoHandler):
+    def inference(self, batch: Any) -> Any:
+        return [object() if x == "bad" else x for x in batch]
+
+
+def make_worker(
+    r: redis.Redis, settings: Settings, handler: BaseHandler | None = None, *, instance_id: str = "i0", **kw: Any
+) -> Worker:
+    spec = WorkerSpec(
+        url=settings.redis_url or "", settings=settings, model=MODEL, handler="echo", instance_id=instance_id, **kw
+    )
+    handler = handler or Counting()
+    handler.initialize(build_context(spec))
+    w = Worker(r, spec, handler)
+    ensure_group(r, w.queue, WORKER_GROUP)
+    return w
+
+
+def request(i: int, value: Any = None, *, reply_to: str = REPLY, deadline_ms: int | None = None,
+            payload: bytes | None = None, content_type: str | None = None) -> protocol.Request:
+    if payload is None:
+        payload, content_type = protocol.encode_payload({"i": i} if value is None else value)
+    now = int(time.time() * 1000)
+    return protocol.Request(
+        id=f"req-{i}", reply_to=reply_to, payload=payload, content_type=content_type or protocol.JSON,
+        enqueued_ms=now - 3, deadline_ms=deadline_ms, stream_id=f"{now}-{i}",
+    )
+
+
+def push(r: redis.Redis, w: Worker, reqs: list[protocol.Request], batch_id: str = "b1") -> bytes:
+    return r.xadd(w.queue, protocol.encode_subbatch(reqs, batch_id))
+
+
+def step(w: Worker) -> int:
+    """Read and process what is there (one sub-batch); returns how many were processed."""
+    entries = w.read(block_ms=50)
+    for entry_id, fields in entries:
+        w.process(entry_id, fields)
+    return len(entries)
+
+
+def replies(r: redis.Redis, stream: str = REPLY) -> list[dict[bytes, bytes]]:
+    return [f for _, f in r.xrange(stream)]
+
+
+def text(f: dict[bytes, bytes], name: str) -> str:
+    return f[name.encode()].decode()
+
+
+def assert_queue_clean(r: redis.Redis, w: Worker) -> None:
+    assert r.xlen(w.queue) == 0
+    assert r.xpending(w.queue, WORKER_GROUP)["pending"] == 0
+
+
+# --- replies -----------------------------------------------------------------
+def test_replies_for_every_request(r: redis.Redis, settings: Settings) -> None:
+    w = make_worker(r, settings)
+    arr = np.arange(6, dtype=np.float32).reshape(2, 3)
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    reqs = [
+        request(0),
+        request(1, "héllo"),
+        request(2, payload=buf.getvalue(), content_type=protocol.NPY),
+        request(3, payload=b"\x00\xff", content_type=protocol.BYTES),
+    ]
+    push(r, w, reqs)
+    assert step(w) == 1
+
+    got = replies(r)
+    assert [text(f, "id") for f in got] == ["req-0", "req-1", "req-2", "req-3"]
+    for f in got:
+        assert text(f, "status") == protocol.OK and text(f, "error") == ""
+        assert float(text(f, "queue_ms")) >= 0.0
+        assert float(text(f, "inference_ms")) >= 0.0
+        assert text(f, "batch_size") == "4"
+        assert text(f, "instance") == "i0" and text(f, "model") == MODEL
+    values = [protocol.decode_payload(text(f, "content_type"), f[b"payload"]) for f in got]
+    assert values[0] == {"i": 0}
+    assert values[1] == "héllo"
+    np.testing.assert_array_equal(values[2], arr)
+    assert values[3] == b"\x00\xff"
+    assert 0 < r.ttl(REPLY) <= settings.reply_ttl_s
+
+    assert_queue_clean(r, w)
+    assert r.lrange(settings.keys.wakeup(MODEL), 0, -1) == [b"i0"]
+    assert r.hget(settings.keys.stats(MODEL), "replies") == b"4"
+    assert r.hget(settings.keys.stats(MODEL), "errors") is None
+    assert w.handler.calls == 1  # type: ignore[attr-defined]
+    assert w.batches == 1
+
+
+def test_replies_go_to_each_producers_stream(r: redis.Redis, settings: Settings) -> None:
+    w = make_worker(r, settings)
+    push(r, w, [request(0, reply_to="a"), request(1, reply_to="b"), request(2, reply_to="a")])
+    step(w)
+    assert [text(f, "id") for f in replies(r, "a")] == ["req-0", "req-2"]
+    assert [text(f, "id") for f in replies(r, "b")] == ["req-1"]
+
+
+def test_wakeup_list_is_capped(r: redis.Redis, settings: Settings) -> None:
+    from workers.worker import WAKEUP_CAP
+
+    w = make_worker(r, settings)
+    r.rpush(settings.keys.wakeup(MODEL), *(["old"] * (WAKEUP_CAP + 10)))
+    push(r, w, [request(0)])
+    step(w)
+    assert r.llen(settings.keys.wakeup(MODEL)) == WAKEUP_CAP
+    assert r.lindex(settings.keys.wakeup(MODEL), 0) == b"i0"
+
+
+def test_undecodable_payload_fails_alone(r: redis.Redis, settings: Settings) -> None:
+    w = make_worker(r, settings)
+    push(r, w, [
+        request(0),
+        request(1, payload=b"{broken", content_type=protocol.JSON),
+        request(2, payload=b"not npy", content_type=protocol.NPY),
+        request(3),
+    ])
+    step(w)
+    got = {text(f, "id"): f for f in replies(r)}
+    assert text(got["req-0"], "status") == protocol.OK and text(got["req-3"], "status") == protocol.OK
+    assert text(got["req-1"], "status") == protocol.ERROR
+    assert "not valid application/json" in text(got["req-1"], "error")
+    assert "not valid application/x-npy" in text(got["req-2"], "error")
+    assert r.hget(settings.keys.stats(MODEL), "errors") == b"2"
+    assert w.handler.calls == 1  # type: ignore[attr-defined]
+    assert_queue_clean(r, w)
+
+
+def test_deadline_passed_before_inference(r: redis.Redis, settings: Settings) -> None:
+    w = make_worker(r, settings)
+    now = int(time.time() * 1000)
+    push(r, w, [request(0, deadline_ms=now - 50), request(1, deadline_ms=now + 60_000)])
+    step(w)
+    got = {text(f, "id"): f for f in replies(r)}
+    assert text(got["req-0"], "status") == protocol.ERROR
+    assert "deadline exceeded before inference" in text(got["req-0"], "error")
+    assert text(got["req-1"], "status") == protocol.OK
+
+
+def test_all_expired_model_not_run(r: redis.Redis, settings: Settings) -> None:
+    w = make_worker(r, settings)
+    push(r, w, [request(0, deadline_ms=1), request(1, deadline_ms=2)])
+    step(w)
+    assert [text(f, "status") for f in replies(r)] == [protocol.ERROR, protocol.ERROR]
+    assert w.handler.calls == 0  # type: ignore[attr-defined]
+    assert_queue_clean(r, w)
+
+
+def test_validate_rejection_and_unencodable_output(r: redis.Redis, settings: Settings) -> None:
+    sleep = make_worker(r, settings, SleepHandler(), instance_id="s0", options={"base_ms": 0})
+    push(r, sleep, [request(0, {"sleep_ms": 1}), request(1, {"sleep_ms": "soon"})])
+    step(sleep)
+    got = {text(f, "id"): f for f in replies(r)}
+    assert text(got["req-0"], "status") == protocol.OK
+    assert "sleep_ms must be a number" in text(got["req-1"], "error")
+
+    r.delete(REPLY)
+    w = make_worker(r, settings, Unencodable(), instance_id="u0")
+    push(r, w, [request(0, "bad"), request(1, "fine")])
+    step(w)
+    got = {text(f, "id"): f for f in replies(r)}
+    assert "could not be encoded" in text(got["req-0"], "error")
+    assert text(got["req-1"], "status") == protocol.OK
+    assert_queue_clean(r, w)
+
+
+def test_unreadable_sub_batch_is_dropped(r: redis.Redis, settings: Settings) -> None:
+    w = make_worker(r, settings)
+    r.xadd(w.queue, {"batch": "x", "meta": "{not json"})
+    r.xadd(w.queue, {"batch": "y"})  # no meta at all
+    assert step(w) == 1 and step(w) == 1
+    assert replies(r) == []
+    assert_queue_clean(r, w)
+
+
+def test_reply_to_of_wrong_type_does_not_kill_the_worker(r: redis.Redis, settings: Settings) -> None:
+    w = make_worker(r, settings)
+    r.set("not-a-stream", "v")
+    push(r, w, [request(0, reply_to="not-a-stream"), request(1)])
+    step(w)
+    assert [text(f, "id") for f in replies(r)] == ["req-1"]
+    assert r.get("not-a-stream") == b"v"
+    assert_queue_clean(r, w)
+
+
+# --- redelivery --------------------------------------------------------------
+def test_redelivered_sub_batch_answered_exactly_once(r: redis.Redis, settings: Settings) -> None:
+    first = make_worker(r, settings)
+    push(r, first, [request(0), request(1)], "b1")
+    # The first worker read it and died before its MULTI/EXEC.
+    got = r.xreadgroup(WORKER_GROUP, "i0", {first.queue: ">"}, count=1)
+    assert len(got[0][1]) == 1
+    push(r, first, [request(2)], "b2")
+
+    fresh = make_worker(r, settings)
+    assert step(fresh) == 1  # the pending one first
+    assert [text(f, "id") for f in replies(r)] == ["req-0", "req-1"]
+    assert step(fresh) == 1
+    assert step(fresh) == 0
+    assert [text(f, "id") for f in replies(r)] == ["req-0", "req-1", "req-2"]
+    assert all(text(f, "status") == protocol.OK for f in replies(r))
+    assert_queue_clean(r, fresh)
+
+
+def test_other_instances_pending_entries_are_not_taken(r: redis.Redis, settings: Settings) -> None:
+    a = make_worker(r, settings, instance_id="i0")
+    push(r, a, [request(0)])
+    r.xreadgroup(WORKER_GROUP, "i0", {a.queue: ">"}, count=1)
+    b = make_worker(r, settings, instance_id="i1")
+    assert step(b) == 0
+    assert replies(r) == []
+
+
+def test_sub_batch_over_max_deliveries_is_not_run(r: redis.Redis, settings: Settings) -> None:
+    counting = Counting()
+    probe = make_worker(r, settings, Counting())
+    push(r, probe, [request(0), request(1)])
+    # Delivered three times already: read, then re-read twice by replacements that died.
+    r.xreadgroup(WORKER_GROUP, "i0", {probe.queue: ">"}, count=1)
+    r.xreadgroup(WORKER_GROUP, "i0", {probe.queue: "0"}, count=1)
+    r.xreadgroup(WORKER_GROUP, "i0", {probe.queue: "0"}, count=1)
+
+    w = make_worker(r, settings, counting, max_deliveries=3)
+    assert step(w) == 1  # fourth delivery
+    assert counting.calls == 0
+    got = replies(r)
+    assert [text(f, "id") for f in got] == ["req-0", "req-1"]
+    for f in got:
+        assert text(f, "status") == protocol.ERROR
+        assert "died 3 times" in text(f, "error") and "not run again" in text(f, "error")
+    assert_queue_clean(r, w)
+    assert r.hget(settings.keys.stats(MODEL), "errors") == b"2"
+
+
+def test_sub_batch_within_max_deliveries_is_run(r: redis.Redis, settings: Settings) -> None:
+    counting = Counting()
+    probe = make_worker(r, settings, Counting())
+    push(r, probe, [request(0)])
+    r.xreadgroup(WORKER_GROUP, "i0", {probe.queue: ">"}, count=1)
+    r.xreadgroup(WORKER_GROUP, "i0", {probe.queue: "0"}, count=1)
+    w = make_worker(r, settings, counting, max_deliveries=3)
+    step(w)  # third delivery: still allowed
+    assert counting.calls == 1
+    assert text(replies(r)[0], "status") == protocol.OK
+
+
+# --- the loop ----------------------------------------------------------------
+def test_run_loop_registers_serves_and_stops(r: redis.Redis, settings: Settings) -> None:
+    w = make_worker(r, settings, threads=2, batch=4, cpus=[0, 1])
+    t = threading.Thread(target=w.run, daemon=True)
+    t.start()
+    try:
+        push(r, w, [request(0), request(1)])
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and r.xlen(REPLY) < 2:
+            time.sleep(0.005)
+        assert r.xlen(REPLY) == 2
+        info = r.hgetall(settings.keys.instance(MODEL, "i0"))
+        assert info[b"state"] == b"ready" and info[b"threads"] == b"2" and info[b"cpus"] == b"0,1"
+        assert float(info[b"heartbeat"]) > 0
+        assert r.smembers(settings.keys.instances(MODEL)) == {b"i0"}
+    finally:
+        w.stop()
+        t.join(5)
+    assert not t.is_alive()
+    assert r.hget(settings.keys.instance(MODEL, "i0"), "state") == b"stopped"
+
+
+def test_build_context_carries_the_spec(settings: Settings) -> None:
+    spec = WorkerSpec(url="redis://x", settings=settings, model="m", handler="echo", instance_id="i7",
+                      threads=4, batch=8, cpus=[2, 3, 4, 5], options={"k": 1})
+    ctx = build_context(spec)
+    assert isinstance(ctx, Context)
+    assert (ctx.model_name, ctx.instance_id, ctx.threads, ctx.batch_size) == ("m", "i7", 4, 8)
+    assert ctx.cores == (2, 3, 4, 5) and ctx.options == {"k": 1}
+    spec.options["k"] = 2
+    assert ctx.options == {"k": 1}  # a copy
+
+
+@pytest.mark.parametrize("max_deliveries", [1])
+def test_first_delivery_always_runs(r: redis.Redis, settings: Settings, max_deliveries: int) -> None:
+    counting = Counting()
+    w = make_worker(r, settings, counting, max_deliveries=max_deliveries)
+    push(r, w, [request(0)])
+    step(w)
+    assert counting.calls == 1
