@@ -27,7 +27,7 @@ from dispatcher.orphans import sweep
 from dispatcher.partitioning import LatencyFn, split
 from packrat_mq import protocol
 from packrat_mq.deployment import Deployment
-from packrat_mq.keys import DISPATCHER_GROUP
+from packrat_mq.keys import DISPATCHER_GROUP, check_model_name
 from packrat_mq.settings import Settings
 
 log = logging.getLogger("packrat_mq.dispatcher")
@@ -69,7 +69,7 @@ class Dispatcher:
         self.r = r
         self.settings = settings
         self.keys = settings.keys
-        self.model = model
+        self.model = check_model_name(model)
         # One dispatcher per model: a stable consumer name lets a restarted
         # dispatcher take over the entries its predecessor read.
         self.consumer = consumer or "dispatcher"
@@ -109,7 +109,7 @@ class Dispatcher:
                 self._recover_from = entries[-1][0]
                 return entries
             self._recovering = False
-        resp = self.r.xreadgroup(DISPATCHER_GROUP, self.consumer, {self.stream: ">"}, count=count, block=block_ms)
+        resp = self.r.xreadgroup(DISPATCHER_GROUP, self.consumer, {self.stream: ">"}, count=count, block=block_ms or None)
         return resp[0][1] if resp else []
 
     def refresh_deployment(self, raw: bytes | None) -> Deployment | None:
@@ -218,7 +218,7 @@ class Dispatcher:
         pipe.xack(self.stream, DISPATCHER_GROUP, *ids)
         pipe.xdel(self.stream, *ids)
         stats_key = self.keys.stats(self.model)
-        pipe.hincrby(stats_key, "requests", len(entries))
+        pipe.hincrby(stats_key, "requests", len(accepted) + len(rejected))
         pipe.hincrby(stats_key, "batches", 1)
         if rejected:
             pipe.hincrby(stats_key, "rejected", len(rejected))

@@ -8,6 +8,7 @@ lock keeps two dispatchers from answering the same entry twice.
 from __future__ import annotations
 
 import logging
+import uuid
 
 import redis
 
@@ -16,11 +17,15 @@ from packrat_mq.settings import Settings
 
 log = logging.getLogger("packrat_mq.orphans")
 
+LOCK_MS = 5000
+_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+
 
 def sweep(r: redis.Redis, settings: Settings, *, batch: int = 500) -> int:
     """Answer requests sent to unknown models; returns how many were answered or dropped."""
     keys = settings.keys
-    if not r.set(keys.lock("orphan-sweep"), "1", nx=True, px=2000):
+    token = uuid.uuid4().hex
+    if not r.set(keys.lock("orphan-sweep"), token, nx=True, px=LOCK_MS):
         return 0
     try:
         served = {m.decode() for m in r.smembers(keys.models())}
@@ -52,4 +57,6 @@ def sweep(r: redis.Redis, settings: Settings, *, batch: int = 500) -> int:
             handled += len(entries)
         return handled
     finally:
-        r.delete(keys.lock("orphan-sweep"))
+        # Delete the lock only if it is still ours: a sweep slower than the
+        # lock's expiry must not release a lock another sweeper now holds.
+        r.eval(_RELEASE, 1, keys.lock("orphan-sweep"), token)

@@ -92,8 +92,10 @@ class Client:
     ) -> tuple[str, dict[str, Any]]:
         if content_type is None:
             payload, content_type = protocol.encode_payload(data)
+        elif isinstance(data, bytes):
+            payload = data  # already encoded as content_type says
         else:
-            payload = data if isinstance(data, bytes) else protocol.encode_payload(data)[0]
+            payload = protocol.encode_as(content_type, data)
         rid = request_id or uuid.uuid4().hex
         deadline = int((time.time() + timeout_s) * 1000) if timeout_s else None
         return rid, protocol.request_fields(rid, self.reply_to, payload, content_type, deadline)
@@ -139,7 +141,8 @@ class Client:
                 missing = len(wanted - set(self._buffer))
                 raise ReplyTimeout(f"{missing} of {len(wanted)} replies not received within {timeout:.1f} s")
             self._poll(block_ms=max(1, int(min(remaining, 1.0) * 1000)))
-        replies = [self._buffer.pop(i) for i in ids]
+        found = {i: self._buffer.pop(i) for i in dict.fromkeys(ids)}
+        replies = [found[i] for i in ids]
         for rep in replies:
             rep.sent_at = self._sent_at.pop(rep.id, 0.0)
         return replies

@@ -6,7 +6,21 @@ one Redis) or a renamed kind is a one-line change here.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+
+#: What a model name may be: it is one key segment, so no ':' and no spaces.
+MODEL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+
+
+def check_model_name(name: str) -> str:
+    """Return ``name`` if it can be a model name, else raise ``ValueError`` saying why."""
+    if not MODEL_NAME.match(name):
+        raise ValueError(
+            f"model name {name!r} must be 1-128 letters, digits, '.', '_' or '-' "
+            "(it is a segment of Redis keys; use --handler for an import path)"
+        )
+    return name
 
 #: Consumer group the dispatcher of a model reads the request stream with.
 DISPATCHER_GROUP = "dispatchers"

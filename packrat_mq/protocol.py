@@ -103,7 +103,11 @@ def parse_request(
             request_id=request_id,
             reply_to=reply_to,
         )
-    content_type = _text(fields, b"content_type") or JSON
+    raw_type = fields.get(b"content_type")
+    content_type = _text(fields, b"content_type")
+    if raw_type is not None and content_type is None:
+        raise RequestRejected("content_type is not UTF-8 text", request_id=request_id, reply_to=reply_to)
+    content_type = content_type or JSON
     content_type = content_type.split(";", 1)[0].strip().lower()
     if content_type not in CONTENT_TYPES:
         raise RequestRejected(
@@ -188,6 +192,18 @@ def encode_payload(value: Any) -> tuple[bytes, str]:
     if isinstance(value, str):
         return value.encode("utf-8"), TEXT
     return json.dumps(value, separators=(",", ":"), default=_json_default).encode("utf-8"), JSON
+
+
+def encode_as(content_type: str, value: Any) -> bytes:
+    """Encode ``value`` as the given content type (``TypeError`` if it cannot be)."""
+    if content_type == JSON:
+        return json.dumps(value, separators=(",", ":"), default=_json_default).encode("utf-8")
+    if content_type == TEXT and isinstance(value, str):
+        return value.encode("utf-8")
+    if content_type == NPY:
+        payload, _ = encode_payload(np.asarray(value))
+        return payload
+    raise TypeError(f"cannot encode {type(value).__name__} as {content_type}; pass bytes")
 
 
 def _json_default(value: Any) -> Any:

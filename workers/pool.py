@@ -23,7 +23,7 @@ import redis
 from dispatcher.dispatcher import ensure_group
 from packrat_mq.deployment import Deployment, InstanceRecord
 from packrat_mq.instances import Configuration
-from packrat_mq.keys import WORKER_GROUP
+from packrat_mq.keys import WORKER_GROUP, check_model_name
 from packrat_mq.settings import Settings
 from workers.allocation import CoreAssignment, allocate, thread_env
 from workers.topology import Topology
@@ -63,7 +63,7 @@ class Pool:
         self.settings = settings
         self.keys = settings.keys
         self.url = url
-        self.model = model
+        self.model = check_model_name(model)
         self.handler = handler or model
         self.configuration = configuration
         self.node = node or socket.gethostname().split(".")[0]
@@ -118,6 +118,23 @@ class Pool:
         """Make this deployment the one the dispatcher serves with."""
         self.r.set(self.keys.config(self.model), self.deployment.model_dump_json())
         self.r.sadd(self.keys.models(), self.model)
+
+    def reshare(self, configuration: Configuration) -> None:
+        """Serve a new batch split with the same instances, without restarting them.
+
+        Only the shares ``b_j`` change (e.g. a new B chosen for a new load); the
+        threads must match instance for instance. The new deployment is a new
+        generation, which the dispatcher picks up before its next batch.
+        """
+        old = [i.record.threads for i in self.instances]
+        new = [i.threads for i in configuration.instances]
+        if old != new:
+            raise ValueError(f"reshare keeps the instances: threads {old} != {new}")
+        for inst, spec in zip(self.instances, configuration.instances):
+            inst.record = inst.record.model_copy(update={"batch": spec.batch})
+        self.configuration = configuration
+        self.generation += 1
+        self.publish()
 
     def _spawn(self, inst: Instance) -> None:
         env = dict(os.environ)

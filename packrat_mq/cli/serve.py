@@ -26,6 +26,17 @@ def _options(pairs: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
+def model_and_handler(model: str, name: str | None) -> tuple[str, str]:
+    """(served name, handler spec): ``--model pkg.mod:MyHandler`` is served as ``myhandler``."""
+    from packrat_mq.keys import check_model_name
+
+    served = name or (model.rsplit(":", 1)[1].lower() if ":" in model else model)
+    try:
+        return check_model_name(served), model
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--name") from None
+
+
 def choose_configuration(
     model: str, instances: str | None, threads: int | None, batch: int | None, profile: str | None
 ) -> tuple[Configuration, str | None]:
@@ -84,6 +95,7 @@ def choose_configuration(
 @click.option("--graph/--eager", default=False, show_default=True, help="TorchScript trace + freeze, or eager.")
 @click.option("--option", "-o", "option_pairs", multiple=True, help="Handler option KEY=VALUE (repeatable).")
 @click.option("--node", default=None, help="Node name in instance ids (default: host name).")
+@click.option("--name", default=None, help="Name to serve the model under (default: the zoo name, or the handler class).")
 @redis_options
 def up(
     settings: Settings,
@@ -96,6 +108,7 @@ def up(
     graph: bool,
     option_pairs: tuple[str, ...],
     node: str | None,
+    name: str | None,
 ) -> None:
     """Serve MODEL: worker pool + dispatcher (+ embedded Redis) until Ctrl-C.
 
@@ -111,6 +124,7 @@ def up(
 
     logging.basicConfig(level=os.environ.get("PACKRAT_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    model, handler = model_and_handler(model, name)
     config, profile_path = choose_configuration(model, instances, threads, batch, profile)
     updates: dict[str, Any] = {"graph_mode": graph}
     if batch_timeout_ms is not None:
@@ -126,7 +140,7 @@ def up(
     try:
         r = connect(url)
         try:
-            service = Service(r, settings, url, model, config, options=_options(option_pairs),
+            service = Service(r, settings, url, model, config, handler=handler, options=_options(option_pairs),
                               profile=profile_path, node=node)
         except AllocationError as exc:
             raise click.ClickException(str(exc)) from None
@@ -182,6 +196,7 @@ def dispatch(settings: Settings, model: str, batch_timeout_ms: float | None, pro
 @click.option("--graph/--eager", default=False, show_default=True)
 @click.option("--option", "-o", "option_pairs", multiple=True, help="Handler option KEY=VALUE.")
 @click.option("--node", default=None)
+@click.option("--name", default=None, help="Name to serve the model under (default: the zoo name, or the handler class).")
 @redis_options
 def pool(
     settings: Settings,
@@ -193,6 +208,7 @@ def pool(
     graph: bool,
     option_pairs: tuple[str, ...],
     node: str | None,
+    name: str | None,
 ) -> None:
     """Run only this node's worker pool for MODEL (for docker-compose).
 
@@ -206,11 +222,12 @@ def pool(
 
     logging.basicConfig(level=os.environ.get("PACKRAT_LOG_LEVEL", "INFO"),
                         format="%(asctime)s pool %(levelname)s %(message)s")
+    model, handler = model_and_handler(model, name)
     config, _ = choose_configuration(model, instances, threads, batch, profile)
     settings = settings.model_copy(update={"graph_mode": graph})
     r, url = connect_or_fail(settings)
     try:
-        p = Pool(r, settings, url, model, config, options=_options(option_pairs), node=node)
+        p = Pool(r, settings, url, model, config, handler=handler, options=_options(option_pairs), node=node)
     except AllocationError as exc:
         raise click.ClickException(str(exc)) from None
     p.start()

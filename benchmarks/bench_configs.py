@@ -1,0 +1,161 @@
+"""Our choice against the usual alternatives, measured side by side as served.
+
+For each model and aggregated batch B, on this machine's T cores:
+
+- **chosen**: the optimizer's configuration from ``profiles/<model>.json``
+  (with its predicted latency);
+- **all-thread**: one instance with T threads taking the whole batch, what
+  PyTorch and TorchServe do by default;
+- **single-thread**: T one-thread instances sharing the batch (B of them when
+  B < T);
+- **best measured**: the fastest of every configuration measured for that B.
+
+Each configuration is served for real (embedded Redis, dispatcher, pinned
+worker processes) and timed over aggregated batches sent at once: batch
+latency is from the first request sent to the last reply received. Instances
+with the same thread counts are started once per model and given new batch
+shares per B (``Pool.reshare``), as a live re-split would do, so a model's
+weights load three times, not once per configuration.
+
+Run: ``python -m benchmarks.bench_configs [--models resnet50,bert] [--batches 1,2,4] [--rounds 10]``.
+Writes ``benchmarks/results/configs.json`` and ``configs.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("PACKRAT_LOG_LEVEL", "WARNING")
+
+from optimizer.calibration import Measured, example_payloads, time_batches  # noqa: E402
+from optimizer.profile import Profile, resolve_profile_path  # noqa: E402
+from optimizer.solving import solve  # noqa: E402
+from packrat_mq.client import Client  # noqa: E402
+from packrat_mq.connection import EmbeddedRedis, connect  # noqa: E402
+from packrat_mq.instances import Configuration, InstanceSpec  # noqa: E402
+from packrat_mq.service import Service, default_threads  # noqa: E402
+from packrat_mq.settings import Settings  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def strategies(profile: Profile, threads: int, batch: int) -> dict[str, Configuration]:
+    chosen = solve(profile, threads, batch)
+    singles = min(threads, batch)
+    base, extra = divmod(batch, singles)
+    single = Configuration(instances=tuple(
+        InstanceSpec(threads=1, batch=base + (1 if j < extra else 0)) for j in range(singles)))
+    return {"chosen": chosen, "all-thread": Configuration.uniform(1, threads, batch), "single-thread": single}
+
+
+def _ordered(config: Configuration) -> Configuration:
+    """Instances by threads, descending: the order a shared pool is started in."""
+    return Configuration(instances=tuple(sorted(config.instances, key=lambda i: (-i.threads, -i.batch))),
+                         predicted_latency_ms=config.predicted_latency_ms)
+
+
+def bench_model(url: str, model: str, threads: int, batches: list[int], rounds: int, warmup: int) -> list[dict[str, Any]]:
+    profile = Profile.load(resolve_profile_path(model))
+    plans: dict[tuple[int, ...], list[tuple[int, str, Configuration]]] = defaultdict(list)
+    for b in batches:
+        for name, config in strategies(profile, threads, b).items():
+            config = _ordered(config)
+            plans[tuple(i.threads for i in config.instances)].append((b, name, config))
+    payloads = {b: example_payloads(model, b) for b in batches}
+    measured: dict[tuple[int, str], Measured] = {}
+    settings = Settings(redis_url=url, batch_timeout_ms=50.0, prefix=f"bench-{model}")
+    r = connect(url)
+    for thread_counts, runs in plans.items():
+        first = runs[0][2]
+        print(f"[{model}] starting instances with threads {list(thread_counts)}", file=sys.stderr, flush=True)
+        with Service(r, settings, url, model, first) as service:
+            client = Client(connect(url), prefix=settings.prefix)
+            done: dict[tuple[int, str], Measured] = {}
+            for b, name, config in runs:
+                same = next((m for (bb, _), m in done.items() if bb == b and str(m.configuration) == str(config)), None)
+                if same is not None:  # e.g. chosen == single-thread: one measurement serves both
+                    measured[(b, name)] = same
+                    continue
+                service.pool.reshare(config)
+                m = Measured(configuration=config, predicted_ms=config.predicted_latency_ms)
+                time_batches(client, model, payloads[b], m, rounds=rounds, warmup=warmup)
+                measured[(b, name)] = done[(b, name)] = m
+                print(f"[{model}] B={b:<3} {name:<14} {str(config):<14} p50 {m.p50_ms:8.2f} ms", file=sys.stderr, flush=True)
+            client.close()
+    rows = []
+    for b in batches:
+        row: dict[str, Any] = {"model": model, "threads": threads, "batch": b}
+        for name in ("chosen", "all-thread", "single-thread"):
+            m = measured[(b, name)]
+            row[name] = m.as_dict()
+        best_name = min(("chosen", "all-thread", "single-thread"), key=lambda n: measured[(b, n)].p50_ms)
+        row["best_measured"] = best_name
+        row["speedup_vs_all_thread"] = measured[(b, "all-thread")].p50_ms / measured[(b, "chosen")].p50_ms
+        rows.append(row)
+    return rows
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return
+    models = sorted({r["model"] for r in rows})
+    fig = Figure(figsize=(4.2 * len(models), 3.6))
+    for k, model in enumerate(models):
+        ax = fig.add_subplot(1, len(models), k + 1)
+        mine = [r for r in rows if r["model"] == model]
+        xs = [r["batch"] for r in mine]
+        for name, style in (("chosen", "o-"), ("all-thread", "s--"), ("single-thread", "^:")):
+            ax.plot(xs, [r[name]["measured_p50_ms"] for r in mine], style, label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{model} (T={mine[0]['threads']})")
+        ax.set_xlabel("aggregated batch B")
+        if k == 0:
+            ax.set_ylabel("batch latency p50 (ms)")
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="resnet50,bert,gpt2,minilm")
+    ap.add_argument("--batches", default="1,2,4,8,16,32")
+    ap.add_argument("--threads", type=int, default=None, help="T (default: cores of one socket)")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--json-out", default=str(RESULTS / "configs.json"))
+    args = ap.parse_args(argv)
+    threads = args.threads or default_threads()
+    batches = [int(x) for x in args.batches.split(",")]
+    rows: list[dict[str, Any]] = []
+    started = time.time()
+    with EmbeddedRedis(announce=False) as server:
+        for model in args.models.split(","):
+            rows.extend(bench_model(server.url, model, threads, batches, args.rounds, args.warmup))
+    out = Path(args.json_out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"benchmark": "configurations", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                               "cpus": os.cpu_count(), "threads": threads, "rounds": args.rounds,
+                               "elapsed_s": time.time() - started, "rows": rows}, indent=2))
+    plot(rows, out.with_suffix(".png"))
+    print(f"{'model':<9} {'B':>3} {'chosen':<14} {'pred ms':>8} {'chosen p50':>11} {'all-thread':>11} {'1-thread x T':>12} {'speed-up':>8}  best")
+    for r in rows:
+        c, a, s = r["chosen"], r["all-thread"], r["single-thread"]
+        print(f"{r['model']:<9} {r['batch']:>3} {c['configuration']:<14} {c['predicted_ms'] or float('nan'):>8.2f} "
+              f"{c['measured_p50_ms']:>11.2f} {a['measured_p50_ms']:>11.2f} {s['measured_p50_ms']:>12.2f} "
+              f"{r['speedup_vs_all_thread']:>7.2f}x  {r['best_measured']}")
+    print(f"written to {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
