@@ -1,0 +1,68 @@
+"""Calibration serves candidates for real (sleep model) and records what it measured."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from optimizer.calibration import best_calibrated, calibrate, candidates, predicted_latency
+from optimizer.profile import Profile, ProfileEntry
+from packrat_mq.cli import main
+from packrat_mq.instances import Configuration
+from packrat_mq.settings import Settings
+
+
+def _profile() -> Profile:
+    # One thread is slow per request, two threads barely help: splitting wins on paper.
+    points = {(1, 1): 10.0, (1, 2): 18.0, (1, 4): 34.0, (2, 1): 9.0, (2, 2): 15.0, (2, 4): 26.0}
+    return Profile(model="sleep", entries=tuple(ProfileEntry(threads=t, batch=b, mean_ms=ms)
+                                                for (t, b), ms in points.items()))
+
+
+def test_candidates_are_distinct_and_ranked_by_prediction() -> None:
+    cands = candidates(_profile(), threads=2, batch=4, k=5)
+    assert str(cands[0]) in ("1x2,1x2",)
+    preds = [c.predicted_latency_ms for c in cands]
+    assert preds == sorted(preds)
+    keys = [tuple(sorted((i.threads, i.batch) for i in c.instances)) for c in cands]
+    assert len(keys) == len(set(keys))
+    assert all(c.batch == 4 and c.threads <= 2 for c in cands)
+    assert predicted_latency(_profile(), Configuration.parse("2x4")) == 26.0
+    assert predicted_latency(_profile(), Configuration.parse("1x8")) is None
+
+
+def test_calibrate_measures_records_and_is_used_later(redis_url: str, r, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    prof = _profile()
+    best, results = calibrate(prof, redis_url, Settings(redis_url=redis_url, prefix="cal"), 2, 4,
+                              k=2, rounds=3, warmup=1)
+    assert len(results) == 2
+    for m in results:
+        assert m.error is None and len(m.latencies_ms) == 3
+        # the sleep handler sleeps 10 ms per batch: a batch cannot be faster
+        assert min(m.latencies_ms) >= 10.0
+    assert best.batch == 4
+    rows = [c for c in prof.calibrations if c.threads == 2 and c.batch == 4]
+    assert len(rows) == 2 and all(c.measured_p50_ms and c.predicted_ms for c in rows)
+    chosen, row = best_calibrated(prof, 2, 4)  # type: ignore[misc]
+    assert str(chosen) == str(best) and row.measured_p50_ms == min(c.measured_p50_ms for c in rows)
+    assert best_calibrated(prof, 2, 8) is None
+    path = prof.save(tmp_path / "sleep.json")
+    assert Profile.load(path).calibrations == prof.calibrations
+
+
+def test_optimize_calibrate_cli(redis_url: str, r, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    path = _profile().save(tmp_path / "sleep.json")
+    res = CliRunner().invoke(main, ["optimize", "-p", str(path), "-t", "2", "-b", "4", "--calibrate",
+                                    "--top-k", "2", "--rounds", "2", "--redis-url", redis_url, "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert sum(g["batch"] * g["count"] for g in doc["instances"]) == 4
+    assert len(Profile.load(path).calibrations) == 2
+
+
+def test_calibrate_refuses_infeasible() -> None:
+    with pytest.raises(ValueError, match="batch 3"):
+        calibrate(_profile().model_copy(update={"entries": (ProfileEntry(threads=1, batch=2, mean_ms=1.0),)}),
+                  "redis://unused", Settings(), 2, 3)
