@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,12 @@ def discovery_file() -> Path:
     """Where a running embedded server leaves its URL (one per user)."""
     base = os.environ.get("PACKRAT_RUNTIME_DIR") or os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
     return Path(base) / f"packrat-mq-{os.getuid()}" / "embedded.json"
+
+
+def redact(url: str) -> str:
+    """``url`` with any password replaced by ``***``, for messages and logs."""
+    url = re.sub(r"(?<=[?&]password=)[^&]*", "***", url)
+    return re.sub(r"^([a-z]+://[^:/@]*):[^@/]*@", r"\1:***@", url)
 
 
 def connect(url: str, **kwargs: Any) -> redis.Redis:

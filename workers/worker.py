@@ -10,7 +10,6 @@ consumer name) delivers it again; one that dies after has nothing pending.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal

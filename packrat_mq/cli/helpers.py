@@ -48,7 +48,7 @@ def err(message: str) -> None:
 
 
 def connect_or_fail(settings: Settings):  # type: ignore[no-untyped-def]
-    from packrat_mq.connection import NoRedisError, connect, resolve_url
+    from packrat_mq.connection import NoRedisError, connect, redact, resolve_url
 
     try:
         url = resolve_url(settings)
@@ -58,7 +58,7 @@ def connect_or_fail(settings: Settings):  # type: ignore[no-untyped-def]
     try:
         r.ping()
     except Exception as exc:  # noqa: BLE001 - any failure here is "cannot reach Redis"
-        raise click.ClickException(f"cannot reach Redis at {url}: {exc}") from None
+        raise click.ClickException(f"cannot reach Redis at {redact(url)}: {exc}") from None
     return r, url
 
 

@@ -8,6 +8,7 @@ import click
 import redis
 
 from packrat_mq.cli.helpers import connect_or_fail, echo_json, redis_options
+from packrat_mq.connection import redact
 from packrat_mq.deployment import Deployment
 from packrat_mq.keys import Keys
 from packrat_mq.settings import Settings
@@ -67,12 +68,12 @@ def status(settings: Settings, as_json: bool) -> None:
     """
     r, url = connect_or_fail(settings)
     doc = collect_status(r, settings.keys)
-    doc["redis_url"] = url
+    doc["redis_url"] = redact(url)
     if as_json:
         echo_json(doc)
         return
     if not doc["models"]:
-        click.echo(f"no models served on {url} (prefix {settings.prefix!r})")
+        click.echo(f"no models served on {redact(url)} (prefix {settings.prefix!r})")
         return
     for m in doc["models"]:
         click.echo(f"{m['model']}: {m['configuration'] or 'no deployment'} (B={m['batch']}, "

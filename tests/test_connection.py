@@ -1,0 +1,78 @@
+"""Connecting: the embedded server, discovery, and URLs with ACL users and passwords."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+import redis
+from click.testing import CliRunner
+
+from packrat_mq.cli import main
+from packrat_mq.connection import EmbeddedRedis, NoRedisError, connect, discover_url, discovery_file, resolve_url
+from packrat_mq.settings import Settings
+
+
+def test_embedded_server_is_announced_and_withdrawn() -> None:
+    assert discover_url() is None
+    with EmbeddedRedis() as server:
+        assert server.url.startswith("unix://")
+        assert connect(server.url).ping()
+        assert discover_url() == server.url
+        assert resolve_url(Settings()) == server.url
+        assert connect(server.url).config_get("save")["save"] == ""
+    assert discover_url() is None
+    assert not discovery_file().exists()
+
+
+def test_no_url_and_no_server_is_a_clear_error() -> None:
+    with pytest.raises(NoRedisError, match="--redis-url"):
+        resolve_url(Settings())
+    res = CliRunner().invoke(main, ["status"])
+    assert res.exit_code == 1 and "packrat-mq up" in res.output
+
+
+def test_stale_discovery_file_is_ignored(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = discovery_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"url": f"unix://{tmp_path}/gone.sock"}))
+    assert discover_url() is None
+
+
+@pytest.fixture
+def acl_user(r: redis.Redis) -> Iterator[tuple[str, str]]:
+    r.acl_setuser("packrat-app", enabled=True, passwords=["+s3cret"], keys=["*"], channels=["*"],
+                  commands=["+@all"])
+    yield "packrat-app", "s3cret"
+    r.acl_deluser("packrat-app")
+
+
+def _with_user(url: str, user: str, password: str) -> str:
+    path = url[len("unix://"):]
+    return f"unix://{user}@{path}?password={password}"
+
+
+def test_acl_user_and_password_in_url(redis_url: str, acl_user: tuple[str, str]) -> None:
+    if not redis_url.startswith("unix://"):
+        pytest.skip("URL rewriting below is for the embedded server's socket")
+    user, password = acl_user
+    good = _with_user(redis_url, user, password)
+    assert connect(good).acl_whoami() == user
+    res = CliRunner().invoke(main, ["status", "--json", "--redis-url", good])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["models"] == []
+    bad = CliRunner().invoke(main, ["status", "--redis-url", _with_user(redis_url, user, "wrong")])
+    assert bad.exit_code == 1 and "cannot reach Redis" in bad.output
+    assert "wrong" not in bad.output, "the password must not be printed"
+
+
+@pytest.mark.parametrize(("url", "shown"), [
+    ("redis://app:pw@host:6379/0", "redis://app:***@host:6379/0"),
+    ("rediss://:pw@host:6380", "rediss://:***@host:6380"),
+    ("unix://app@/tmp/r.sock?password=pw&db=1", "unix://app@/tmp/r.sock?password=***&db=1"),
+    ("redis://host:6379", "redis://host:6379"),
+])
+def test_redact(url: str, shown: str) -> None:
+    from packrat_mq.connection import redact
+
+    assert redact(url) == shown
