@@ -9,6 +9,7 @@ bad request's error reply and the service status.
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import sys
 import time
@@ -27,22 +28,16 @@ SENTENCES = [
 ]
 
 
-def _configuration(threads: int, batch: int):  # type: ignore[no-untyped-def]
-    from pathlib import Path
-
-    from packrat_mq.instances import Configuration
-
-    try:
-        from optimizer.profile import Profile, resolve_profile_path
-        from optimizer.solving import solve
-
-        path = resolve_profile_path("minilm")
-        if path and Path(path).exists():
-            return solve(Profile.load(path), threads, batch), f"optimizer on {path}"
-    except (ImportError, FileNotFoundError, ValueError) as exc:
-        print(f"(optimizer unavailable: {exc})")
-    per = max(1, batch // threads)
-    return Configuration.uniform(threads, 1, per), "one-thread instances (no profile)"
+def _bursts(client, batch: int, rounds: int = 20) -> tuple[list[float], float]:  # type: ignore[no-untyped-def]
+    """Batch latencies (first send to last reply) of ``rounds`` bursts, and requests/s."""
+    client.submit_many("minilm", [SENTENCES[i % len(SENTENCES)] for i in range(batch)], timeout=60)  # warm-up
+    latencies = []
+    start = time.perf_counter()
+    for k in range(rounds):
+        t0 = time.time()
+        reps = client.submit_many("minilm", [SENTENCES[(k + i) % 8] for i in range(batch)], timeout=60)
+        latencies.append((max(x.received_at for x in reps) - t0) * 1000.0)
+    return latencies, rounds * batch / (time.perf_counter() - start)
 
 
 def _spread(values: list[float]) -> str:
@@ -51,19 +46,23 @@ def _spread(values: list[float]) -> str:
 
 
 def main() -> int:
+    os.environ.setdefault("PACKRAT_LOG_LEVEL", "WARNING")  # worker processes inherit it
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from packrat_mq.cli.status import collect_status
     from packrat_mq.client import Client
     from packrat_mq.connection import EmbeddedRedis, connect
+    from packrat_mq.instances import Configuration
     from packrat_mq.service import Service, default_threads
     from packrat_mq.settings import Settings
 
+    from optimizer.selection import choose
+
     threads = default_threads()
     batch = 8
-    config, source = _configuration(threads, batch)
+    choice = choose("minilm", threads, batch)
+    config = choice.configuration
     print(f"== packrat-mq demo: all-MiniLM-L6-v2 on {threads} cores, B={batch}")
-    print(f"configuration {config} from {source}"
-          + (f", predicted {config.predicted_latency_ms:.1f} ms per batch" if config.predicted_latency_ms else ""))
+    print(f"configuration: {choice.note}")
     with EmbeddedRedis() as server:
         print(f"embedded Redis: {server.url}")
         settings = Settings(redis_url=server.url, batch_timeout_ms=5.0)
@@ -92,14 +91,8 @@ def main() -> int:
             print(f"  inference   {_spread([x.inference_ms for x in single])}")
 
             print(f"\n== latency, bursts of {batch} requests (one aggregated batch each)")
-            burst_lat: list[float] = []
-            t1 = time.perf_counter()
-            rounds = 15
-            for k in range(rounds):
-                reps = client.submit_many("minilm", [SENTENCES[(k + i) % 8] for i in range(batch)], timeout=60)
-                burst_lat.extend(x.latency_ms or 0 for x in reps)
-            elapsed = time.perf_counter() - t1
-            print(f"  end to end  {_spread(burst_lat)}; {rounds * batch / elapsed:.0f} requests/s")
+            chosen_batches, rate = _bursts(client, batch)
+            print(f"  batch latency {_spread(chosen_batches)}; {rate:.0f} requests/s")
 
             print("\n== a bad request gets its own error reply")
             bad = client.submit("minilm", {"text": ""}, timeout=30)
@@ -112,6 +105,18 @@ def main() -> int:
                     print(f"    {i['id']}: {i['state']} pid {i['pid']} cpus {i['cpus']} batches {i['batches']}")
             client.close()
         print("\nstopped cleanly: dispatcher first, then instances after draining their queues")
+
+        baseline = Configuration.uniform(1, threads, batch)
+        if str(baseline) != str(config):
+            print(f"\n== the same bursts on one instance with all {threads} threads (the TorchServe default)")
+            with Service(r, settings, server.url, "minilm", baseline):
+                client = Client(connect(server.url))
+                base_batches, base_rate = _bursts(client, batch)
+                client.close()
+            print(f"  batch latency {_spread(base_batches)}; {base_rate:.0f} requests/s")
+            ratio = statistics.median(base_batches) / statistics.median(chosen_batches)
+            print(f"  {config} is {ratio:.2f}x {'faster' if ratio >= 1 else 'slower'} than {baseline} "
+                  f"(median batch latency, measured in this run)")
     med = statistics.median(x.latency_ms or 0 for x in single)
     print(f"done. single-request median {med:.1f} ms")
     return 0

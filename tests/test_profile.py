@@ -179,8 +179,8 @@ def test_resolve_profile_path(tmp_path, monkeypatch):
     assert resolve_profile_path("toy", [tmp_path / "profiles"]) == saved
     monkeypatch.chdir(tmp_path)
     assert resolve_profile_path("toy").resolve() == saved.resolve()
-    with pytest.raises(ProfileError, match=r"no profile for model 'bert'.*available: toy"):
-        resolve_profile_path("bert")
+    with pytest.raises(ProfileError, match=r"no profile for model 'nosuchmodel'.*available: .*toy"):
+        resolve_profile_path("nosuchmodel")
     with pytest.raises(ProfileError, match="no profile file at"):
         resolve_profile_path("elsewhere/toy.json")
 

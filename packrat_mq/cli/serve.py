@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 import click
@@ -42,47 +41,23 @@ def choose_configuration(
 ) -> tuple[Configuration, str | None]:
     """The configuration to serve with, and the profile it came from (if any).
 
-    ``--instances`` wins; otherwise the optimizer picks one from the model's
-    profile for ``--threads`` (default: the cores of one socket) and
-    ``--batch``; with no profile, one instance takes every thread (the
-    TorchServe default), which is announced.
+    ``--instances`` wins; otherwise :func:`optimizer.selection.choose` decides
+    for ``--threads`` (default: the cores of one socket) and ``--batch``.
     """
     if instances:
         try:
             return Configuration.parse(instances), None
         except ConfigurationError as exc:
             raise click.BadParameter(str(exc), param_hint="--instances") from None
+    from optimizer.selection import choose
     from packrat_mq.service import default_threads
 
-    t = threads or default_threads()
-    b = batch or 1
     try:
-        from optimizer.profile import resolve_profile_path
-        from optimizer.solving import solve
-
-        path = resolve_profile_path(profile or model)
-    except (ImportError, FileNotFoundError, ValueError):
-        path = None
-    if path is None or not Path(path).exists():
-        if profile:
-            raise click.BadParameter(f"no profile at {profile}", param_hint="--profile")
-        err(f"no profile for {model!r}: serving one instance with {t} threads and batch {b} "
-            f"(run `packrat-mq profile run --model {model}` to let the optimizer choose)")
-        return Configuration.uniform(1, t, b), None
-    from optimizer.calibration import best_calibrated
-    from optimizer.profile import Profile
-
-    try:
-        loaded = Profile.load(path)
-        calibrated = best_calibrated(loaded, t, b)
-        if calibrated is not None:
-            config, row = calibrated
-            err(f"using the calibrated best for T={t}, B={b}: {config} (measured p50 {row.measured_p50_ms:.2f} ms)")
-        else:
-            config = solve(loaded, t, b)
+        choice = choose(model, threads or default_threads(), batch or 1, profile)
     except ValueError as exc:
         raise click.ClickException(f"optimizer: {exc}") from None
-    return config, str(path)
+    err(choice.note)
+    return choice.configuration, str(choice.profile_path) if choice.profile_path else None
 
 
 @click.command()
