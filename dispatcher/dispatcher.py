@@ -26,6 +26,7 @@ from dispatcher.aggregation import Aggregator
 from dispatcher.orphans import sweep
 from dispatcher.partitioning import LatencyFn, split
 from packrat_mq import protocol
+from packrat_mq.connection import execute_replies
 from packrat_mq.deployment import Deployment
 from packrat_mq.keys import DISPATCHER_GROUP, check_model_name
 from packrat_mq.settings import Settings
@@ -224,11 +225,7 @@ class Dispatcher:
             pipe.hincrby(stats_key, "rejected", len(rejected))
         if unanswerable:
             pipe.hincrby(stats_key, "unanswerable", unanswerable)
-        # EXEC runs every command even if one fails (a producer's reply_to
-        # naming a key of another type): log it rather than die over it.
-        for res in pipe.execute(raise_on_error=False):
-            if isinstance(res, redis.ResponseError):
-                log.warning("model %s: a reply could not be written: %s", self.model, res)
+        execute_replies(pipe, log, f"model {self.model}")
 
         self.stats.batches += 1
         self.stats.requests += len(entries)

@@ -13,6 +13,7 @@ import uuid
 import redis
 
 from packrat_mq import protocol
+from packrat_mq.connection import execute_replies
 from packrat_mq.settings import Settings
 
 log = logging.getLogger("packrat_mq.orphans")
@@ -50,10 +51,7 @@ def sweep(r: redis.Redis, settings: Settings, *, batch: int = 500) -> int:
                 else:
                     log.warning("dropped request %r for unknown model %r with no reply_to", rid, model)
             pipe.xdel(key, *(sid for sid, _ in entries))
-            # A reply_to naming a key of another type fails alone; the rest runs.
-            for res in pipe.execute(raise_on_error=False):
-                if isinstance(res, redis.ResponseError):
-                    log.warning("unknown model %r: a reply could not be written: %s", model, res)
+            execute_replies(pipe, log, f"unknown model {model!r}")
             handled += len(entries)
         return handled
     finally:

@@ -9,6 +9,7 @@ server stops when ``up`` exits.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import tempfile
@@ -34,6 +35,20 @@ def redact(url: str) -> str:
     """``url`` with any password replaced by ``***``, for messages and logs."""
     url = re.sub(r"(?<=[?&]password=)[^&]*", "***", url)
     return re.sub(r"^([a-z]+://[^:/@]*):[^@/]*@", r"\1:***@", url)
+
+
+def execute_replies(pipe: redis.client.Pipeline, log: logging.Logger, who: str) -> list[Any]:
+    """EXEC a transaction that writes replies, logging commands that failed.
+
+    EXEC runs every queued command even when one fails (a producer's
+    ``reply_to`` naming a key of another type); that reply is lost, the rest
+    of the transaction (acks, other replies) is applied, and the process lives.
+    """
+    results = pipe.execute(raise_on_error=False)
+    for res in results:
+        if isinstance(res, redis.ResponseError):
+            log.warning("%s: a reply could not be written: %s", who, res)
+    return results
 
 
 def connect(url: str, **kwargs: Any) -> redis.Redis:

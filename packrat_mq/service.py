@@ -27,7 +27,7 @@ log = logging.getLogger("packrat_mq.service")
 
 
 class Service:
-    """Pool + supervised dispatcher of one model on this node."""
+    """Pool + supervised dispatcher of one model on this node (or the pool alone)."""
 
     def __init__(
         self,
@@ -41,6 +41,7 @@ class Service:
         options: dict[str, Any] | None = None,
         profile: str | Path | None = None,
         node: str | None = None,
+        with_dispatcher: bool = True,
     ) -> None:
         self.r = r
         self.settings = settings
@@ -48,13 +49,15 @@ class Service:
         self.model = model
         self.profile = str(profile) if profile else None
         self.pool = Pool(r, settings, url, model, configuration, handler=handler, options=options, node=node)
+        self.with_dispatcher = with_dispatcher  # False: the pool alone (docker-compose runs the dispatcher)
         self.dispatcher: subprocess.Popen[bytes] | None = None
         self.dispatcher_restarts = 0
 
     def start(self, ready_timeout: float = 600.0) -> None:
         self.pool.start()
         self.pool.wait_ready(ready_timeout)
-        self._start_dispatcher()
+        if self.with_dispatcher:
+            self._start_dispatcher()
 
     def _start_dispatcher(self) -> None:
         from dispatcher.__main__ import DispatcherSpec
@@ -103,7 +106,10 @@ class Service:
             log.warning("instance queues not empty at shutdown; their work is kept in Redis")
         self.pool.stop(timeout)
         self.pool.retire()
-        self.r.delete(self.settings.keys.config(self.model))
+        if self.with_dispatcher:
+            # With a separate dispatcher the deployment stays: a restarted pool
+            # of the same node and generation takes it over.
+            self.r.delete(self.settings.keys.config(self.model))
 
     def __enter__(self) -> Service:
         self.start()

@@ -22,6 +22,7 @@ import redis
 from pydantic import BaseModel, Field
 
 from packrat_mq import protocol
+from packrat_mq.connection import execute_replies
 from packrat_mq.handler import BaseHandler, Context, Input, Outcome, load_handler, run_batch
 from packrat_mq.keys import WORKER_GROUP
 from packrat_mq.settings import Settings
@@ -210,11 +211,7 @@ class Worker:
         pipe.hincrby(stats, "replies", len(requests))
         if errors:
             pipe.hincrby(stats, "errors", errors)
-        # EXEC runs every command even if one fails (a producer's reply_to
-        # naming a key of another type): log it rather than die over it.
-        for res in pipe.execute(raise_on_error=False):
-            if isinstance(res, redis.ResponseError):
-                log.warning("instance %s: a reply could not be written: %s", s.instance_id, res)
+        execute_replies(pipe, log, f"instance {s.instance_id}")
         self.batches += 1
 
 

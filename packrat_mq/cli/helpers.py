@@ -38,6 +38,20 @@ def redis_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def parse_handler_options(pairs: tuple[str, ...]) -> dict[str, Any]:
+    """``--option KEY=VALUE`` pairs; a VALUE that parses as JSON (numbers, true) is taken as such."""
+    out: dict[str, Any] = {}
+    for item in pairs:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint="--option")
+        try:
+            out[key] = json.loads(raw)
+        except ValueError:
+            out[key] = raw
+    return out
+
+
 def echo_json(value: Any) -> None:
     """Exactly one JSON document on stdout, for scripts."""
     click.echo(json.dumps(value, indent=2, default=str))

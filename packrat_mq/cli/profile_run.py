@@ -5,7 +5,6 @@ Here, in pinned child processes (see ``optimizer.profiling``), or with
 """
 from __future__ import annotations
 
-import json
 import socket
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ from typing import Any
 
 import click
 
-from packrat_mq.cli.helpers import connect_or_fail, echo_json, err, redis_options
+from packrat_mq.cli.helpers import connect_or_fail, echo_json, err, parse_handler_options, redis_options
 from packrat_mq.settings import Settings
 
 
@@ -26,20 +25,6 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
         raise click.BadParameter(f"expected comma-separated integers such as 1,2,4,8, got {value!r}") from None
     if not out or any(v < 1 for v in out):
         raise click.BadParameter(f"expected positive integers, got {value!r}")
-    return out
-
-
-def _model_options(values: tuple[str, ...]) -> dict[str, Any]:
-    """``KEY=VALUE`` pairs; a VALUE that parses as JSON (numbers, true) is taken as such."""
-    out: dict[str, Any] = {}
-    for item in values:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint="--option")
-        try:
-            out[key] = json.loads(raw)
-        except ValueError:
-            out[key] = raw
     return out
 
 
@@ -128,7 +113,7 @@ def run(
         raise click.UsageError("-o/--output names one file; give one --model, or leave -o out")
     if max_iters < min_iters:
         raise click.UsageError(f"--max-iters ({max_iters}) must be >= --min-iters ({min_iters})")
-    handler_options = _model_options(model_options)
+    handler_options = parse_handler_options(model_options)
     all_options = [
         ProfilingOptions(
             model=model,

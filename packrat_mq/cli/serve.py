@@ -1,28 +1,31 @@
 """``packrat-mq up``, ``dispatch`` and ``pool``: running the serving stack."""
 from __future__ import annotations
 
+import functools
 import logging
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import click
 
-from packrat_mq.cli.helpers import err, redis_options
+from packrat_mq.cli.helpers import connect_or_fail, err, parse_handler_options, redis_options
 from packrat_mq.instances import Configuration, ConfigurationError
 from packrat_mq.settings import Settings
 
 
-def _options(pairs: tuple[str, ...]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"{pair!r}: expected KEY=VALUE", param_hint="--option")
-        try:
-            out[key] = float(value) if "." in value else int(value)
-        except ValueError:
-            out[key] = value
-    return out
+@dataclass
+class ServePlan:
+    """What to serve, from the options ``up`` and ``pool`` share."""
+
+    model: str
+    handler: str
+    configuration: Configuration
+    profile_path: str | None
+    options: dict[str, Any]
+    node: str | None
+    graph: bool
 
 
 def model_and_handler(model: str, name: str | None) -> tuple[str, str]:
@@ -60,31 +63,77 @@ def choose_configuration(
     return choice.configuration, str(choice.profile_path) if choice.profile_path else None
 
 
+def serving_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """The options that say what to serve; the command receives a :class:`ServePlan` as ``plan``."""
+
+    @click.option("--model", "-m", required=True,
+                  help="Zoo name (echo, sleep, resnet50, inception_v3, bert, gpt2, minilm) or module:Class.")
+    @click.option("--instances", "-i", envvar="PACKRAT_INSTANCES", default=None,
+                  help='Configuration by hand: "TxB,TxB,..." (e.g. "2x4,2x4" or "2*1x4"); '
+                       "env PACKRAT_INSTANCES. Else the optimizer picks.")
+    @click.option("--threads", "-t", type=click.IntRange(min=1), default=None,
+                  help="Threads T for the optimizer (default: cores of one socket).")
+    @click.option("--batch", "-b", type=click.IntRange(min=1), default=None,
+                  help="Aggregated batch B for the optimizer (default 1).")
+    @click.option("--profile", default=None, help="Profile JSON (default: profiles/<model>.json).")
+    @click.option("--graph/--eager", default=False, show_default=True, help="TorchScript trace + freeze, or eager.")
+    @click.option("--option", "-o", "option_pairs", multiple=True, metavar="KEY=VALUE",
+                  help="Handler option (repeatable), e.g. -o base_ms=5 for sleep.")
+    @click.option("--node", default=None, help="Node name in instance ids (default: host name).")
+    @click.option("--name", default=None,
+                  help="Name to serve the model under (default: the zoo name, or the handler class).")
+    @functools.wraps(func)
+    def wrapper(*args: Any, model: str, instances: str | None, threads: int | None, batch: int | None,
+                profile: str | None, graph: bool, option_pairs: tuple[str, ...], node: str | None,
+                name: str | None, **kwargs: Any) -> Any:
+        served, handler = model_and_handler(model, name)
+        config, profile_path = choose_configuration(served, instances, threads, batch, profile)
+        plan = ServePlan(served, handler, config, profile_path, parse_handler_options(option_pairs), node, graph)
+        return func(*args, plan=plan, **kwargs)
+
+    return wrapper
+
+
+def _logging(name: str) -> None:
+    logging.basicConfig(level=os.environ.get("PACKRAT_LOG_LEVEL", "INFO"),
+                        format=f"%(asctime)s {name} %(levelname)s %(message)s")
+
+
+def _run(settings: Settings, url: str, plan: ServePlan, *, with_dispatcher: bool) -> None:
+    """Start the stack, supervise it until Ctrl-C/SIGTERM, stop it in order."""
+    from packrat_mq.connection import connect
+    from packrat_mq.service import Service
+    from workers.allocation import AllocationError
+
+    config = plan.configuration
+    try:
+        service = Service(connect(url), settings, url, plan.model, config, handler=plan.handler,
+                          options=plan.options, profile=plan.profile_path, node=plan.node,
+                          with_dispatcher=with_dispatcher)
+    except AllocationError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"starting {plan.model}: {config} (B={config.batch}, {config.threads} threads"
+               + (f", predicted {config.predicted_latency_ms:.2f} ms" if config.predicted_latency_ms else "") + ")")
+    service.start()
+    for inst in service.pool.instances:
+        click.echo(f"  instance {inst.record.id}: {inst.record.threads} threads, batch {inst.record.batch}, "
+                   f"cpus {inst.record.cpus}, pid {inst.process.pid if inst.process else '-'}")
+    click.echo(f"ready: XADD {settings.keys.requests(plan.model)} * id <id> reply_to <stream> payload <bytes> "
+               f"content_type application/json   (Ctrl-C to stop)")
+    try:
+        service.serve_forever()
+    finally:
+        click.echo("stopping: dispatcher, then instances after they drain" if with_dispatcher
+                   else "stopping: instances after they drain")
+        service.stop()
+
+
 @click.command()
-@click.option("--model", "-m", required=True, help="Zoo name (echo, sleep, resnet50, inception_v3, bert, gpt2, minilm) or module:Class.")
-@click.option("--instances", "-i", default=None, help='Configuration by hand: "TxB,TxB,..." (e.g. "2x4,2x4" or "2*1x4").')
-@click.option("--threads", "-t", type=int, default=None, help="Threads T for the optimizer (default: cores of one socket).")
-@click.option("--batch", "-b", type=int, default=None, help="Aggregated batch B for the optimizer (default 1).")
-@click.option("--profile", default=None, help="Profile JSON (default: profiles/<model>.json).")
-@click.option("--batch-timeout-ms", type=float, default=None, help="Send a partial batch this long after its first request.")
-@click.option("--graph/--eager", default=False, show_default=True, help="TorchScript trace + freeze, or eager.")
-@click.option("--option", "-o", "option_pairs", multiple=True, help="Handler option KEY=VALUE (repeatable).")
-@click.option("--node", default=None, help="Node name in instance ids (default: host name).")
-@click.option("--name", default=None, help="Name to serve the model under (default: the zoo name, or the handler class).")
+@serving_options
+@click.option("--batch-timeout-ms", type=click.FloatRange(min=0), default=None,
+              help="Send a partial batch this long after its first request.")
 @redis_options
-def up(
-    settings: Settings,
-    model: str,
-    instances: str | None,
-    threads: int | None,
-    batch: int | None,
-    profile: str | None,
-    batch_timeout_ms: float | None,
-    graph: bool,
-    option_pairs: tuple[str, ...],
-    node: str | None,
-    name: str | None,
-) -> None:
+def up(settings: Settings, plan: ServePlan, batch_timeout_ms: float | None) -> None:
     """Serve MODEL: worker pool + dispatcher (+ embedded Redis) until Ctrl-C.
 
     \b
@@ -93,19 +142,13 @@ def up(
       packrat-mq up --model resnet50 --threads 16 --batch 32      # optimizer picks
       packrat-mq up --model minilm -i 2*1x4 --redis-url redis://localhost:6379/0
     """
-    from packrat_mq.connection import EmbeddedRedis, connect, discover_url
-    from packrat_mq.service import Service
-    from workers.allocation import AllocationError
+    from packrat_mq.connection import EmbeddedRedis, discover_url
 
-    logging.basicConfig(level=os.environ.get("PACKRAT_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    model, handler = model_and_handler(model, name)
-    config, profile_path = choose_configuration(model, instances, threads, batch, profile)
-    updates: dict[str, Any] = {"graph_mode": graph}
+    _logging("up")
+    updates: dict[str, Any] = {"graph_mode": plan.graph}
     if batch_timeout_ms is not None:
         updates["batch_timeout_ms"] = batch_timeout_ms
     settings = settings.model_copy(update=updates)
-
     embedded = None
     url = settings.redis_url or discover_url()
     if url is None:
@@ -113,33 +156,32 @@ def up(
         url = embedded.url
         click.echo(f"embedded Redis at {url} (other packrat-mq commands find it; redis-cli -s {url[7:]})")
     try:
-        r = connect(url)
-        try:
-            service = Service(r, settings, url, model, config, handler=handler, options=_options(option_pairs),
-                              profile=profile_path, node=node)
-        except AllocationError as exc:
-            raise click.ClickException(str(exc)) from None
-        click.echo(f"starting {model}: {config} (B={config.batch}, {config.threads} threads"
-                   + (f", predicted {config.predicted_latency_ms:.2f} ms" if config.predicted_latency_ms else "") + ")")
-        service.start()
-        for inst in service.pool.instances:
-            click.echo(f"  instance {inst.record.id}: {inst.record.threads} threads, batch {inst.record.batch}, "
-                       f"cpus {inst.record.cpus}, pid {inst.process.pid if inst.process else '-'}")
-        click.echo(f"ready: XADD {settings.keys.requests(model)} * id <id> reply_to <stream> payload <bytes> "
-                   f"content_type application/json   (Ctrl-C to stop)")
-        try:
-            service.serve_forever()
-        finally:
-            click.echo("stopping: dispatcher, then instances after they drain")
-            service.stop()
+        _run(settings, url, plan, with_dispatcher=True)
     finally:
         if embedded is not None:
             embedded.stop()
 
 
 @click.command()
+@serving_options
+@redis_options
+def pool(settings: Settings, plan: ServePlan) -> None:
+    """Run only this node's worker pool for MODEL (for docker-compose; needs a Redis URL).
+
+    \b
+    Example:
+      packrat-mq pool --model resnet50 -i 4*4x8 --redis-url redis://redis:6379/0
+    """
+    _logging("pool")
+    settings = settings.model_copy(update={"graph_mode": plan.graph})
+    _, url = connect_or_fail(settings)
+    _run(settings, url, plan, with_dispatcher=False)
+
+
+@click.command()
 @click.option("--model", "-m", required=True, help="Model whose request stream to dispatch.")
-@click.option("--batch-timeout-ms", type=float, default=None)
+@click.option("--batch-timeout-ms", type=click.FloatRange(min=0), default=None,
+              help="Send a partial batch this long after its first request.")
 @click.option("--profile", default=None, help="Profile JSON to split partial batches by measured latency.")
 @redis_options
 def dispatch(settings: Settings, model: str, batch_timeout_ms: float | None, profile: str | None) -> None:
@@ -151,77 +193,9 @@ def dispatch(settings: Settings, model: str, batch_timeout_ms: float | None, pro
     """
     from dispatcher.dispatcher import run_dispatcher
     from dispatcher.partitioning import latency_from_profile
-    from packrat_mq.cli.helpers import connect_or_fail
 
-    logging.basicConfig(level=os.environ.get("PACKRAT_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s dispatcher %(levelname)s %(message)s")
+    _logging("dispatcher")
     if batch_timeout_ms is not None:
         settings = settings.model_copy(update={"batch_timeout_ms": batch_timeout_ms})
     _, url = connect_or_fail(settings)
     run_dispatcher(settings, url, model, latency=latency_from_profile(profile) if profile else None)
-
-
-@click.command()
-@click.option("--model", "-m", required=True)
-@click.option("--instances", "-i", envvar="PACKRAT_INSTANCES", default=None,
-              help='"TxB,TxB,..." by hand (env PACKRAT_INSTANCES); else the optimizer picks.')
-@click.option("--threads", "-t", type=int, default=None)
-@click.option("--batch", "-b", type=int, default=None)
-@click.option("--profile", default=None)
-@click.option("--graph/--eager", default=False, show_default=True)
-@click.option("--option", "-o", "option_pairs", multiple=True, help="Handler option KEY=VALUE.")
-@click.option("--node", default=None)
-@click.option("--name", default=None, help="Name to serve the model under (default: the zoo name, or the handler class).")
-@redis_options
-def pool(
-    settings: Settings,
-    model: str,
-    instances: str | None,
-    threads: int | None,
-    batch: int | None,
-    profile: str | None,
-    graph: bool,
-    option_pairs: tuple[str, ...],
-    node: str | None,
-    name: str | None,
-) -> None:
-    """Run only this node's worker pool for MODEL (for docker-compose).
-
-    \b
-    Example:
-      packrat-mq pool --model resnet50 -i 4*4x8 --redis-url redis://redis:6379/0
-    """
-    from packrat_mq.cli.helpers import connect_or_fail
-    from workers.allocation import AllocationError
-    from workers.pool import Pool
-
-    logging.basicConfig(level=os.environ.get("PACKRAT_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s pool %(levelname)s %(message)s")
-    model, handler = model_and_handler(model, name)
-    config, _ = choose_configuration(model, instances, threads, batch, profile)
-    settings = settings.model_copy(update={"graph_mode": graph})
-    r, url = connect_or_fail(settings)
-    try:
-        p = Pool(r, settings, url, model, config, handler=handler, options=_options(option_pairs), node=node)
-    except AllocationError as exc:
-        raise click.ClickException(str(exc)) from None
-    p.start()
-    p.wait_ready()
-    click.echo(f"pool ready: {model} {config}")
-    import signal
-    import time
-
-    stopping = False
-
-    def _stop(*_: Any) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, _stop)
-    signal.signal(signal.SIGTERM, _stop)
-    while not stopping:
-        p.check()
-        time.sleep(0.5)
-    p.drain(30)
-    p.stop()
-    p.retire()
