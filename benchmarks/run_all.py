@@ -1,26 +1,35 @@
 """``make bench``: every benchmark, one after the other (they must not share the cores).
 
-Results land in ``benchmarks/results/`` (JSON, plus PNG plots where they help).
-``--quick`` runs shorter versions for a smoke check.
+Results land in ``benchmarks/results/`` (JSON, plus PNG plots where they help),
+or in ``--out DIR``. ``--quick`` runs shorter versions for a smoke check; give
+it another ``--out`` so the full results are not overwritten.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from benchmarks import bench_configs, bench_optimizer, bench_overhead
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
     print("== optimizer", flush=True)
-    bench_optimizer.main(["--repeats", "5"] if args.quick else [])
+    bench_optimizer.main(["--json-out", str(out / "optimizer.json")] + (["--repeats", "5"] if args.quick else []))
     print("\n== serving overhead (echo)", flush=True)
-    bench_overhead.main(["--runs", "1", "--quick"] if args.quick else ["--runs", "3"])
+    bench_overhead.main(["--json-out", str(out / "overhead.json")]
+                        + (["--runs", "1", "--quick"] if args.quick else ["--runs", "3"]))
     print("\n== configurations (chosen vs all-thread vs single-thread)", flush=True)
-    bench_configs.main(["--models", "minilm", "--batches", "1,8", "--rounds", "3"] if args.quick else [])
+    bench_configs.main(["--json-out", str(out / "configs.json")]
+                       + (["--models", "minilm", "--batches", "1,8", "--rounds", "3"] if args.quick else []))
     return 0
 
 

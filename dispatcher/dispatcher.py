@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,12 +86,25 @@ class Dispatcher:
         self._recovering = True
         self._recover_from: bytes | str = "0"
         self._stopping = False
+        self._last_beat = 0.0
         self.aggregator: Aggregator[Entry] = Aggregator(self._read)
 
     # --- setup ----------------------------------------------------------
     def setup(self) -> None:
         ensure_group(self.r, self.stream, DISPATCHER_GROUP)
         self.r.sadd(self.keys.models(), self.model)
+        self.heartbeat("ready")
+
+    def heartbeat(self, state: str | None = None) -> None:
+        """Tell supervisors and ``status`` that this dispatcher is alive (at most once a second)."""
+        now = time.time()
+        if state is None and now - self._last_beat < 1.0:
+            return
+        fields: dict[str, str | int] = {"heartbeat": f"{now:.3f}", "batches": self.stats.batches}
+        if state is not None:
+            fields.update(state=state, pid=os.getpid(), host=socket.gethostname())
+        self.r.hset(self.keys.dispatcher(self.model), mapping=fields)
+        self._last_beat = now
 
     def stop(self) -> None:
         self._stopping = True
@@ -127,8 +141,8 @@ class Dispatcher:
                 )
         return self.deployment
 
-    def _ready(self) -> Deployment | None:
-        """The deployment if every instance can take a sub-batch now, else None."""
+    def _ready(self) -> tuple[Deployment | None, bool]:
+        """(the deployment if every instance can take a sub-batch now, whether it just changed)."""
         pipe = self.r.pipeline(transaction=False)
         pipe.get(self.keys.config(self.model))
         deployment = self.deployment
@@ -137,20 +151,21 @@ class Dispatcher:
                 pipe.xlen(self.keys.queue(self.model, inst.id))
         raw, *lengths = pipe.execute()
         current = self.refresh_deployment(raw)
-        if current is None or current is not deployment:
-            return None  # new or no deployment: measure again with its queues
-        if all(n <= self.max_waiting for n in lengths):
-            return current
-        return None
+        if current is not deployment:
+            return None, True  # a new deployment: measure again with its own queues
+        if current is not None and all(n <= self.max_waiting for n in lengths):
+            return current, False
+        return None, False
 
     # --- the loop -------------------------------------------------------
     def run_once(self, idle_block_ms: int = 500) -> int:
         """Wait for room, aggregate and dispatch one batch; returns its size."""
-        deployment = self._ready()
+        deployment, changed = self._ready()
         if deployment is None:
-            # Workers push a token when they finish a sub-batch; the timeout
-            # covers a first deployment appearing and lost tokens.
-            self.r.blpop([self.keys.wakeup(self.model)], timeout=0.1)
+            if not changed:
+                # Workers push a token when they finish a sub-batch; the
+                # timeout covers a first deployment appearing.
+                self.r.blpop([self.keys.wakeup(self.model)], timeout=0.1)
             return 0
         self._recover_from = "0"  # the previous batch is acked: nothing handed out is pending
         entries = self.aggregator.next_batch(
@@ -166,6 +181,7 @@ class Dispatcher:
         next_sweep = 0.0
         while not self._stopping:
             try:
+                self.heartbeat()
                 if time.monotonic() >= next_sweep:
                     sweep(self.r, self.settings)
                     next_sweep = time.monotonic() + self.sweep_interval_s
@@ -175,6 +191,7 @@ class Dispatcher:
                 # Entries read before the loss may be pending, not dispatched.
                 self._recovering = True
                 time.sleep(0.5)
+        self.heartbeat("stopped")
 
     # --- fan-out --------------------------------------------------------
     def dispatch(self, entries: list[Entry], deployment: Deployment) -> None:

@@ -67,6 +67,10 @@ class Keys:
         """Hash describing one running instance (pid, cores, heartbeat)."""
         return self._key("instance", model, instance_id)
 
+    def dispatcher(self, model: str) -> str:
+        """Hash describing the model's dispatcher (pid, host, state, heartbeat)."""
+        return self._key("dispatcher", model)
+
     def stats(self, model: str) -> str:
         """Hash of counters (requests, batches, rejected, errors)."""
         return self._key("stats", model)

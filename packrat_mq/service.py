@@ -58,6 +58,7 @@ class Service:
         self.pool.wait_ready(ready_timeout)
         if self.with_dispatcher:
             self._start_dispatcher()
+            self._wait_dispatcher(ready_timeout)
 
     def _start_dispatcher(self) -> None:
         from dispatcher.__main__ import DispatcherSpec
@@ -66,6 +67,21 @@ class Service:
         self.dispatcher = subprocess.Popen(
             [sys.executable, "-m", "dispatcher", spec.model_dump_json()], start_new_session=True
         )
+
+    def _wait_dispatcher(self, timeout: float) -> None:
+        """Block until the dispatcher process reports ready, so "ready" means requests flow."""
+        assert self.dispatcher is not None
+        key = self.settings.keys.dispatcher(self.model)
+        deadline = time.monotonic() + timeout
+        while True:
+            state = self.r.hmget(key, "state", "pid")
+            if state[0] == b"ready" and state[1] == str(self.dispatcher.pid).encode():
+                return
+            if self.dispatcher.poll() is not None:
+                raise RuntimeError(f"dispatcher exited with code {self.dispatcher.returncode} while starting")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"dispatcher not ready after {timeout:.0f} s")
+            time.sleep(0.02)
 
     def check(self) -> None:
         """Restart whatever died (instances, dispatcher)."""

@@ -285,6 +285,35 @@ def test_new_deployment_generation_is_picked_up(r: redis.Redis, settings: Settin
     assert [len(v) for v in queued(r, settings, new).values()] == [1, 1, 1]
 
 
+def test_new_deployment_is_measured_at_once_not_after_a_wait(
+    r: redis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    deploy(r, settings, [(1, 2)])
+    d = Dispatcher(r, settings, MODEL)
+    d.setup()
+    waits: list[Any] = []
+    monkeypatch.setattr(d.r, "blpop", lambda *a, **kw: waits.append(a))
+    assert d.run_once() == 0 and d.deployment is not None
+    assert waits == [], "a deployment seen for the first time must not wait for a wake-up token"
+    deploy(r, settings, [(1, 2), (1, 2)], generation=2)
+    assert d.run_once() == 0 and d.deployment.generation == 2
+    assert waits == []
+
+
+def test_dispatcher_reports_ready_and_heartbeat(r: redis.Redis, settings: Settings) -> None:
+    deploy(r, settings, [(1, 2)])
+    d = make_dispatcher(r, settings)
+    h = r.hgetall(settings.keys.dispatcher(MODEL))
+    assert h[b"state"] == b"ready" and int(h[b"pid"]) > 0 and float(h[b"heartbeat"]) > 0
+    from packrat_mq.cli.status import collect_status
+
+    (model,) = collect_status(r, settings.keys)["models"]
+    assert model["dispatcher"]["state"] == "ready"
+    d.stop()
+    d.heartbeat("stopped")
+    assert r.hget(settings.keys.dispatcher(MODEL), "state") == b"stopped"
+
+
 # --- recovery ----------------------------------------------------------------
 def test_entries_read_but_not_dispatched_are_recovered(r: redis.Redis, settings: Settings) -> None:
     dep = deploy(r, settings, [(2, 2), (2, 2)])

@@ -33,6 +33,15 @@ def collect_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
             "predicted_latency_ms": deployment.predicted_latency_ms if deployment else None,
             "instances": [],
         }
+        d = {k.decode(): v.decode() for k, v in r.hgetall(keys.dispatcher(model)).items()}
+        beat = float(d.get("heartbeat") or 0)
+        entry["dispatcher"] = {
+            "state": d.get("state", "none"),
+            "pid": int(d["pid"]) if d.get("pid") else None,
+            "host": d.get("host"),
+            "batches": int(d.get("batches") or 0),
+            "heartbeat_age_s": round(now - beat, 3) if beat else None,
+        }
         ids = sorted(i.decode() for i in r.smembers(keys.instances(model)))
         for iid in ids:
             h = {k.decode(): v.decode() for k, v in r.hgetall(keys.instance(model, iid)).items()}
@@ -79,6 +88,9 @@ def status(settings: Settings, as_json: bool) -> None:
         click.echo(f"{m['model']}: {m['configuration'] or 'no deployment'} (B={m['batch']}, "
                    f"generation {m['generation']}), backlog {m['backlog']}, "
                    + ", ".join(f"{k} {v}" for k, v in sorted(m["stats"].items())))
+        d = m["dispatcher"]
+        click.echo(f"  {'dispatcher':<24} {d['state']:<10} pid {d['pid'] or '-':<7} batches {d['batches']}  "
+                   f"heartbeat {d['heartbeat_age_s'] if d['heartbeat_age_s'] is not None else '-'} s ago")
         for i in m["instances"]:
             age = i["heartbeat_age_s"]
             click.echo(f"  {i['id']:<24} {i['state']:<10} pid {i['pid'] or '-':<7} {i['threads']}x{i['batch']:<4} "
