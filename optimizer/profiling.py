@@ -86,9 +86,6 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 if TYPE_CHECKING:
-    import redis
-    from rq.job import Job
-
     from optimizer.profile import Profile, ProfileEntry
     from workers.topology import Topology
 
@@ -803,79 +800,6 @@ def _measure_batch(
         dominated_above_ms=dominated_above_ms,
     )
     return {"event": "result", "threads": threads, "batch": b, "setup_s": setup_s, **m.stats()}
-
-
-# ---------------------------------------------------------------------------
-# RQ: profile on another node
-
-
-def result_name(options: ProfilingOptions) -> str:
-    """Model part of the Redis result key: ``<model>`` or ``<model>.graph``."""
-    name = profile_name(options.model)
-    return f"{name}.graph" if options.graph else name
-
-
-def profile_queue_name(node: str) -> str:
-    """The RQ queue a node's profiling worker listens on."""
-    return f"packrat-profile-{node}"
-
-
-def profile_job(
-    settings: dict[str, Any],
-    *,
-    node: str | None = None,
-    prefix: str = "packrat",
-    store_dir: str = "profiles",
-    fresh: bool = False,
-) -> dict[str, Any]:
-    """RQ job: profile on the worker's node, store the JSON in Redis and in ``store_dir``.
-
-    The Redis key is ``Keys(prefix).profile_result(model, node)`` (model
-    ``<model>.graph`` in graph mode), ``node`` being the node the job was
-    queued for (default: the host it runs on), so several nodes' profiles of
-    one model sit side by side. The result also says which host it ran on.
-    """
-    from rq import get_current_job
-
-    from packrat_mq.keys import Keys
-
-    options = ProfilingOptions(**settings)
-    host = socket.gethostname()
-    node = node or host
-    path = default_output(options.model, options.graph, store_dir)
-    report = profile_model(options, path, fresh=fresh, progress=False)
-    if report.interrupted:
-        raise ProfilingError(f"profiling {options.model} on {host} was interrupted")
-    key = Keys(prefix).profile_result(result_name(options), node)
-    job = get_current_job()
-    if job is not None:
-        job.connection.set(key, report.profile.model_dump_json(exclude_none=True))
-    return {"node": node, "host": host, "key": key, "path": str(path.resolve()), "summary": report.summary(),
-            **{k: v for k, v in report.as_dict().items() if k not in ("path",)}}
-
-
-def enqueue_profile(
-    connection: redis.Redis,
-    options: ProfilingOptions,
-    *,
-    node: str,
-    queue: str | None = None,
-    prefix: str = "packrat",
-    store_dir: str = "profiles",
-    fresh: bool = False,
-    job_timeout_s: int = 6 * 3600,
-) -> Job:
-    """Queue :func:`profile_job` for the profiling worker of ``node``."""
-    from rq import Queue
-
-    q = Queue(queue or profile_queue_name(node), connection=connection)
-    return q.enqueue_call(
-        "optimizer.profiling.profile_job",
-        kwargs={"settings": options.model_dump(), "node": node, "prefix": prefix, "store_dir": store_dir, "fresh": fresh},
-        timeout=job_timeout_s,
-        result_ttl=7 * 24 * 3600,
-        description=f"profile {options.model} ({options.mode}) on {node}",
-    )
 
 
 def _main(argv: list[str]) -> int:

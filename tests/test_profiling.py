@@ -15,13 +15,13 @@ from optimizer.profiling import (
     ProfilingOptions,
     _best_split,
     default_output,
-    enqueue_profile,
     measure,
     power_of_two_batches,
     profile_model,
     run_log_path,
     t_quantile,
 )
+from optimizer.profiling_jobs import enqueue_profile
 from workers.topology import Topology
 
 

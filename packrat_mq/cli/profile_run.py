@@ -165,7 +165,7 @@ def _enqueue(
     settings: Settings, all_options: list[Any], nodes: tuple[str, ...], queue_name: str | None,
     store_dir: str, fresh: bool, job_timeout: int, as_json: bool,
 ) -> None:
-    from optimizer.profiling import enqueue_profile, profile_queue_name, result_name
+    from optimizer.profiling_jobs import enqueue_profile, profile_queue_name, result_name
 
     r, url = connect_or_fail(settings)
     targets = nodes or (socket.gethostname(),)

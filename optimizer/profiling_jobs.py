@@ -1,0 +1,89 @@
+"""Profiling as RQ jobs: profile a fleet of nodes from one place.
+
+``packrat-mq profile run --enqueue`` queues one job per model and node on the
+queue ``packrat-profile-<node>``; an RQ worker on that node (``rq worker
+packrat-profile-<node> --url ...``) runs the same profiler as a local run and
+stores the profile both in Redis (``Keys(prefix).profile_result``) and in its
+profile store. RQ's registries show what ran and what failed. RQ costs ~2 ms
+a job, which does not matter for runs of minutes; it is never on the request
+path.
+"""
+from __future__ import annotations
+
+import socket
+from typing import TYPE_CHECKING, Any
+
+from optimizer.profiling import ProfilingError, ProfilingOptions, default_output, profile_model, profile_name
+
+if TYPE_CHECKING:
+    import redis
+    from rq.job import Job
+
+
+def result_name(options: ProfilingOptions) -> str:
+    """Model part of the Redis result key: ``<model>`` or ``<model>.graph``."""
+    name = profile_name(options.model)
+    return f"{name}.graph" if options.graph else name
+
+
+def profile_queue_name(node: str) -> str:
+    """The RQ queue a node's profiling worker listens on."""
+    return f"packrat-profile-{node}"
+
+
+def profile_job(
+    settings: dict[str, Any],
+    *,
+    node: str | None = None,
+    prefix: str = "packrat",
+    store_dir: str = "profiles",
+    fresh: bool = False,
+) -> dict[str, Any]:
+    """RQ job: profile on the worker's node, store the JSON in Redis and in ``store_dir``.
+
+    The Redis key is ``Keys(prefix).profile_result(model, node)`` (model
+    ``<model>.graph`` in graph mode), ``node`` being the node the job was
+    queued for (default: the host it runs on), so several nodes' profiles of
+    one model sit side by side. The result also says which host it ran on.
+    """
+    from rq import get_current_job
+
+    from packrat_mq.keys import Keys
+
+    options = ProfilingOptions(**settings)
+    host = socket.gethostname()
+    node = node or host
+    path = default_output(options.model, options.graph, store_dir)
+    report = profile_model(options, path, fresh=fresh, progress=False)
+    if report.interrupted:
+        raise ProfilingError(f"profiling {options.model} on {host} was interrupted")
+    key = Keys(prefix).profile_result(result_name(options), node)
+    job = get_current_job()
+    if job is not None:
+        job.connection.set(key, report.profile.model_dump_json(exclude_none=True))
+    return {"node": node, "host": host, "key": key, "path": str(path.resolve()), "summary": report.summary(),
+            **{k: v for k, v in report.as_dict().items() if k not in ("path",)}}
+
+
+def enqueue_profile(
+    connection: redis.Redis,
+    options: ProfilingOptions,
+    *,
+    node: str,
+    queue: str | None = None,
+    prefix: str = "packrat",
+    store_dir: str = "profiles",
+    fresh: bool = False,
+    job_timeout_s: int = 6 * 3600,
+) -> Job:
+    """Queue :func:`profile_job` for the profiling worker of ``node``."""
+    from rq import Queue
+
+    q = Queue(queue or profile_queue_name(node), connection=connection)
+    return q.enqueue_call(
+        "optimizer.profiling_jobs.profile_job",
+        kwargs={"settings": options.model_dump(), "node": node, "prefix": prefix, "store_dir": store_dir, "fresh": fresh},
+        timeout=job_timeout_s,
+        result_ttl=7 * 24 * 3600,
+        description=f"profile {options.model} ({options.mode}) on {node}",
+    )
