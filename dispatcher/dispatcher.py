@@ -100,7 +100,7 @@ class Dispatcher:
         now = time.time()
         if state is None and now - self._last_beat < 1.0:
             return
-        fields: dict[str, str | int] = {"heartbeat": f"{now:.3f}", "batches": self.stats.batches}
+        fields: dict[str, str | int] = {"heartbeat": f"{now:.3f}"}
         if state is not None:
             fields.update(state=state, pid=os.getpid(), host=socket.gethostname())
         self.r.hset(self.keys.dispatcher(self.model), mapping=fields)
@@ -238,6 +238,7 @@ class Dispatcher:
         stats_key = self.keys.stats(self.model)
         pipe.hincrby(stats_key, "requests", len(accepted) + len(rejected))
         pipe.hincrby(stats_key, "batches", 1)
+        pipe.hincrby(self.keys.dispatcher(self.model), "batches", 1)
         if rejected:
             pipe.hincrby(stats_key, "rejected", len(rejected))
         if unanswerable:

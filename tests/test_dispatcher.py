@@ -307,8 +307,11 @@ def test_dispatcher_reports_ready_and_heartbeat(r: redis.Redis, settings: Settin
     assert h[b"state"] == b"ready" and int(h[b"pid"]) > 0 and float(h[b"heartbeat"]) > 0
     from packrat_mq.cli.status import collect_status
 
+    send(r, settings, 2)
+    assert d.run_once() == 2
     (model,) = collect_status(r, settings.keys)["models"]
     assert model["dispatcher"]["state"] == "ready"
+    assert model["dispatcher"]["batches"] == 1, "counted in the fan-out transaction, not only at heartbeats"
     d.stop()
     d.heartbeat("stopped")
     assert r.hget(settings.keys.dispatcher(MODEL), "state") == b"stopped"

@@ -124,6 +124,7 @@ def test_replies_for_every_request(r: redis.Redis, settings: Settings) -> None:
     assert r.hget(settings.keys.stats(MODEL), "errors") is None
     assert w.handler.calls == 1  # type: ignore[attr-defined]
     assert w.batches == 1
+    assert r.hget(w.instance_key, "batches") == b"1"
 
 
 def test_replies_go_to_each_producers_stream(r: redis.Redis, settings: Settings) -> None:

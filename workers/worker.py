@@ -90,7 +90,7 @@ class Worker:
     def heartbeat(self) -> None:
         now = time.time()
         if now - self._last_beat >= self.settings.heartbeat_s:
-            self.r.hset(self.instance_key, mapping={"heartbeat": f"{now:.3f}", "batches": self.batches})
+            self.r.hset(self.instance_key, "heartbeat", f"{now:.3f}")
             self._last_beat = now
 
     # --- loop -------------------------------------------------------------
@@ -211,6 +211,7 @@ class Worker:
         pipe.hincrby(stats, "replies", len(requests))
         if errors:
             pipe.hincrby(stats, "errors", errors)
+        pipe.hincrby(self.instance_key, "batches", 1)
         execute_replies(pipe, log, f"instance {s.instance_id}")
         self.batches += 1
 
