@@ -17,6 +17,8 @@ class DispatcherSpec(BaseModel):
     model: str
     #: Profile JSON used to split partial batches by measured latency.
     profile: str | None = None
+    #: The supervisor; the dispatcher stops when it is gone.
+    parent_pid: int | None = None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         from dispatcher.partitioning import latency_from_profile
 
         latency = latency_from_profile(spec.profile)
-    run_dispatcher(spec.settings, spec.url, spec.model, latency=latency)
+    run_dispatcher(spec.settings, spec.url, spec.model, latency=latency, parent_pid=spec.parent_pid)
     return 0
 
 

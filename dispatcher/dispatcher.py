@@ -67,8 +67,11 @@ class Dispatcher:
         consumer: str | None = None,
         max_waiting: int = 1,
         latency: LatencyFn | None = None,
+        parent_pid: int | None = None,
     ) -> None:
         self.r = r
+        # Stop when this supervisor is no longer the parent (it was killed).
+        self.parent_pid = parent_pid
         self.settings = settings
         self.keys = settings.keys
         self.model = check_model_name(model)
@@ -180,6 +183,9 @@ class Dispatcher:
         log.info("dispatcher for %s reading %s", self.model, self.stream)
         next_sweep = 0.0
         while not self._stopping:
+            if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                log.warning("supervisor (pid %d) is gone; dispatcher for %s stops", self.parent_pid, self.model)
+                break
             try:
                 self.heartbeat()
                 if time.monotonic() >= next_sweep:
@@ -252,13 +258,15 @@ class Dispatcher:
         self.stats.sizes[len(accepted)] = self.stats.sizes.get(len(accepted), 0) + 1
 
 
-def run_dispatcher(settings: Settings, url: str, model: str, *, latency: LatencyFn | None = None) -> None:
-    """Process entry point: run until SIGTERM/SIGINT."""
+def run_dispatcher(
+    settings: Settings, url: str, model: str, *, latency: LatencyFn | None = None, parent_pid: int | None = None
+) -> None:
+    """Process entry point: run until SIGTERM/SIGINT (or until the supervisor ``parent_pid`` is gone)."""
     import signal
 
     from packrat_mq.connection import connect
 
-    d = Dispatcher(connect(url), settings, model, latency=latency)
+    d = Dispatcher(connect(url), settings, model, latency=latency, parent_pid=parent_pid)
 
     def _stop(signum: int, frame: Any) -> None:
         d.stop()

@@ -63,7 +63,8 @@ class Service:
     def _start_dispatcher(self) -> None:
         from dispatcher.__main__ import DispatcherSpec
 
-        spec = DispatcherSpec(url=self.url, settings=self.settings, model=self.model, profile=self.profile)
+        spec = DispatcherSpec(url=self.url, settings=self.settings, model=self.model, profile=self.profile,
+                              parent_pid=os.getpid())
         self.dispatcher = subprocess.Popen(
             [sys.executable, "-m", "dispatcher", spec.model_dump_json()], start_new_session=True
         )

@@ -64,7 +64,8 @@ def stack(request: pytest.FixtureRequest, redis_url: str, r: redis.Redis) -> Ite
     try:
         n = len(instances.split(","))
         _wait(lambda: r.exists(f"{PREFIX}:config:{model}") and
-              sum(h.get(b"state") == b"ready" for h in s.instances().values()) == n, 60, "instances ready")
+              sum(h.get(b"state") == b"ready" for h in s.instances().values()) == n and
+              r.hget(f"{PREFIX}:dispatcher:{model}", "state") == b"ready", 60, "instances and dispatcher ready")
         yield s
     finally:
         if proc.poll() is None:
@@ -155,3 +156,22 @@ def test_unknown_model_gets_error_and_ctrl_c_stops_cleanly(stack: Stack) -> None
     assert stack.proc.wait(30) == 0
     assert not stack.r.exists(f"{PREFIX}:config:echo")
     assert all(h.get(b"state") in (None, b"stopped") for h in stack.instances().values())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("stack", [("echo", "1x1,1x1")], indirect=True)
+def test_killed_supervisor_leaves_no_orphans(stack: Stack) -> None:
+    pids = [int(h[b"pid"]) for h in stack.instances().values()]
+    pids.append(int(stack.r.hget(f"{PREFIX}:dispatcher:echo", "pid")))
+    assert all(_alive(p) for p in pids)
+    stack.proc.kill()  # SIGKILL: no chance to stop its children in order
+    stack.proc.wait()
+    _wait(lambda: not any(_alive(p) for p in pids), 15, "instances and dispatcher to notice and stop")
+    assert all(h.get(b"state") == b"stopped" for h in stack.instances().values())

@@ -90,6 +90,7 @@ class Pool:
                 cpus=list(a.cpus),
                 socket=a.socket,
                 options=options or {},
+                parent_pid=os.getpid(),
             )
             self.instances.append(Instance(record=record, spec=spec))
 

@@ -49,6 +49,9 @@ class WorkerSpec(BaseModel):
     #: A sub-batch delivered this many times (its worker died each time) is
     #: answered with an error instead of being run again.
     max_deliveries: int = 3
+    #: The supervisor's pid: the worker stops when it is no longer its parent
+    #: (a SIGKILLed supervisor must not leave instances running unsupervised).
+    parent_pid: int | None = None
 
 
 class Worker:
@@ -108,6 +111,9 @@ class Worker:
         self.register("ready")
         log.info("instance %s ready on cpus %s", self.spec.instance_id, self.spec.cpus)
         while not self._stopping:
+            if self.spec.parent_pid is not None and os.getppid() != self.spec.parent_pid:
+                log.warning("supervisor (pid %d) is gone; instance %s stops", self.spec.parent_pid, self.spec.instance_id)
+                break
             try:
                 self.heartbeat()
                 for entry_id, fields in self.read():
