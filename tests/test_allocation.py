@@ -10,22 +10,8 @@ import pytest
 
 from packrat_mq.instances import Configuration
 from workers.allocation import AllocationError, allocate, pin_current_process, thread_env
-from workers.topology import Topology, format_cpulist
-
-
-def make_sysfs(root: Path, sockets: int = 2, cores: int = 8, threads: int = 2) -> Path:
-    cpu_root = root / "cpu"
-    total = sockets * cores
-    for s in range(sockets):
-        for c in range(cores):
-            siblings = [s * cores + c + k * total for k in range(threads)]
-            for cpu in siblings:
-                topo = cpu_root / f"cpu{cpu}" / "topology"
-                topo.mkdir(parents=True)
-                (topo / "physical_package_id").write_text(f"{s}\n")
-                (topo / "core_id").write_text(f"{c}\n")
-                (topo / "thread_siblings_list").write_text(format_cpulist(siblings) + "\n")
-    return cpu_root
+from tests.fake_sysfs import make_sysfs
+from workers.topology import Topology
 
 
 @pytest.fixture
