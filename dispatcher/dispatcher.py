@@ -99,9 +99,9 @@ class Dispatcher:
         self.heartbeat("ready")
 
     def heartbeat(self, state: str | None = None) -> None:
-        """Tell supervisors and ``status`` that this dispatcher is alive (at most once a second)."""
+        """Tell supervisors and ``status`` that this dispatcher is alive (every ``heartbeat_s``)."""
         now = time.time()
-        if state is None and now - self._last_beat < 1.0:
+        if state is None and now - self._last_beat < self.settings.heartbeat_s:
             return
         fields: dict[str, str | int] = {"heartbeat": f"{now:.3f}"}
         if state is not None:

@@ -23,16 +23,15 @@ class Settings(BaseSettings):
         description="redis://, rediss:// or unix:// URL; None starts/finds the embedded server.",
     )
     prefix: str = Field(default="packrat", pattern=r"^[A-Za-z0-9_.\-]+$")
-    batch_size: int = Field(default=8, ge=1, description="Aggregated batch B.")
     batch_timeout_ms: float = Field(
         default=5.0, ge=0, description="Dispatch a partial batch this long after its first request."
     )
-    max_payload_bytes: int = Field(default=16 * 1024 * 1024, ge=1)
+    max_payload_bytes: int = Field(default=16 * 1024 * 1024, ge=1, description="Larger payloads get an error reply.")
     reply_ttl_s: int = Field(
         default=3600, ge=1, description="Reply streams expire this long after their last reply."
     )
     graph_mode: bool = Field(default=False, description="TorchScript trace + freeze the model.")
-    heartbeat_s: float = Field(default=1.0, gt=0)
+    heartbeat_s: float = Field(default=1.0, gt=0, description="How often instances and the dispatcher report.")
 
     @property
     def keys(self) -> Keys:
