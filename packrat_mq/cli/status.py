@@ -1,6 +1,7 @@
 """``packrat-mq status``: what is served, by which instances, with what backlog."""
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -64,35 +65,76 @@ def collect_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
     return out
 
 
+def add_rates(doc: dict[str, Any], previous: dict[str, Any] | None, elapsed_s: float) -> None:
+    """Requests and replies per second of each model since ``previous`` (a live view's last frame)."""
+    before = {m["model"]: m["stats"] for m in (previous or {}).get("models", [])}
+    for m in doc["models"]:
+        old = before.get(m["model"])
+        m["rates"] = None if old is None or elapsed_s <= 0 else {
+            f"{k}_per_s": round((m["stats"].get(k, 0) - old.get(k, 0)) / elapsed_s, 1)
+            for k in ("requests", "replies", "errors")
+        }
+
+
+def render(doc: dict[str, Any], prefix: str) -> str:
+    """The text view of a status document."""
+    if not doc["models"]:
+        return f"no models served on {doc['redis_url']} (prefix {prefix!r})"
+    lines = []
+    for m in doc["models"]:
+        rates = m.get("rates")
+        lines.append(f"{m['model']}: {m['configuration'] or 'no deployment'} (B={m['batch']}, "
+                     f"generation {m['generation']}), backlog {m['backlog']}, "
+                     + ", ".join(f"{k} {v}" for k, v in sorted(m["stats"].items()))
+                     + (f"; {rates['requests_per_s']:.1f} req/s, {rates['replies_per_s']:.1f} replies/s" if rates else ""))
+        d = m["dispatcher"]
+        lines.append(f"  {'dispatcher':<24} {d['state']:<10} pid {d['pid'] or '-':<7} batches {d['batches']}  "
+                     f"heartbeat {d['heartbeat_age_s'] if d['heartbeat_age_s'] is not None else '-'} s ago")
+        for i in m["instances"]:
+            age = i["heartbeat_age_s"]
+            lines.append(f"  {i['id']:<24} {i['state']:<10} pid {i['pid'] or '-':<7} {i['threads']}x{i['batch']:<4} "
+                         f"cpus {i['cpus']:<10} queue {i['queue']}  batches {i['batches']}  restarts {i['restarts']}  "
+                         f"heartbeat {age if age is not None else '-'} s ago")
+    return "\n".join(lines)
+
+
 @click.command()
-@click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout (with --watch: one per line).")
+@click.option("--watch", "-w", type=click.FloatRange(min=0.1), default=None, metavar="SECONDS",
+              help="Refresh every SECONDS until Ctrl-C, with request and reply rates.")
 @redis_options
-def status(settings: Settings, as_json: bool) -> None:
+def status(settings: Settings, as_json: bool, watch: float | None) -> None:
     """Show models, their configuration, instances (cores, pids, queues) and backlog.
 
     \b
     Examples:
       packrat-mq status
+      packrat-mq status --watch 1                 # live view with rates
       packrat-mq status --json | jq '.models[].backlog'
     """
     r, url = connect_or_fail(settings)
-    doc = collect_status(r, settings.keys)
-    doc["redis_url"] = redact(url)
-    if as_json:
-        echo_json(doc)
+    previous: dict[str, Any] | None = None
+    last = time.monotonic()
+    try:
+        while True:
+            doc = collect_status(r, settings.keys)
+            doc["redis_url"] = redact(url)
+            now = time.monotonic()
+            if watch is not None:
+                add_rates(doc, previous, now - last)
+            if as_json:
+                if watch is None:
+                    echo_json(doc)
+                else:
+                    click.echo(json.dumps(doc, default=str))
+            else:
+                if watch is not None:
+                    click.clear()
+                    click.echo(time.strftime("%H:%M:%S") + f"  every {watch:g} s, Ctrl-C to stop")
+                click.echo(render(doc, settings.prefix))
+            if watch is None:
+                return
+            previous, last = doc, now
+            time.sleep(watch)
+    except KeyboardInterrupt:
         return
-    if not doc["models"]:
-        click.echo(f"no models served on {redact(url)} (prefix {settings.prefix!r})")
-        return
-    for m in doc["models"]:
-        click.echo(f"{m['model']}: {m['configuration'] or 'no deployment'} (B={m['batch']}, "
-                   f"generation {m['generation']}), backlog {m['backlog']}, "
-                   + ", ".join(f"{k} {v}" for k, v in sorted(m["stats"].items())))
-        d = m["dispatcher"]
-        click.echo(f"  {'dispatcher':<24} {d['state']:<10} pid {d['pid'] or '-':<7} batches {d['batches']}  "
-                   f"heartbeat {d['heartbeat_age_s'] if d['heartbeat_age_s'] is not None else '-'} s ago")
-        for i in m["instances"]:
-            age = i["heartbeat_age_s"]
-            click.echo(f"  {i['id']:<24} {i['state']:<10} pid {i['pid'] or '-':<7} {i['threads']}x{i['batch']:<4} "
-                       f"cpus {i['cpus']:<10} queue {i['queue']}  batches {i['batches']}  restarts {i['restarts']}  "
-                       f"heartbeat {age if age is not None else '-'} s ago")
