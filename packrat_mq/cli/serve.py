@@ -49,9 +49,18 @@ def choose_configuration(
     """
     if instances:
         try:
-            return Configuration.parse(instances), None
+            config = Configuration.parse(instances)
         except ConfigurationError as exc:
             raise click.BadParameter(str(exc), param_hint="--instances") from None
+        # A hand-given configuration still has the profile split partial batches.
+        from optimizer.profile import ProfileError, resolve_profile_path
+
+        try:
+            return config, str(resolve_profile_path(profile or model))
+        except ProfileError:
+            if profile:
+                raise click.BadParameter(f"no profile {profile!r}", param_hint="--profile") from None
+            return config, None
     from optimizer.selection import choose
     from packrat_mq.service import default_threads
 
