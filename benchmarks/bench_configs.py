@@ -39,8 +39,9 @@ from optimizer.solving import solve  # noqa: E402
 from packrat_mq.client import Client  # noqa: E402
 from packrat_mq.connection import EmbeddedRedis, connect  # noqa: E402
 from packrat_mq.instances import Configuration, InstanceSpec  # noqa: E402
-from packrat_mq.service import Service, default_threads  # noqa: E402
+from packrat_mq.service import Service  # noqa: E402
 from packrat_mq.settings import Settings  # noqa: E402
+from workers.topology import Topology  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json-out", default=str(RESULTS / "configs.json"))
     args = ap.parse_args(argv)
-    threads = args.threads or default_threads()
+    threads = args.threads or Topology.detect().max_cores_per_socket
     batches = [int(x) for x in args.batches.split(",")]
     rows: list[dict[str, Any]] = []
     started = time.time()

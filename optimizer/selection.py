@@ -25,17 +25,24 @@ class Choice:
     note: str
 
 
+def find_profile(model: str, profile: str | Path | None = None) -> Path | None:
+    """The profile to use: ``profile`` if given (``ProfileError`` if missing), else the model's, if any."""
+    try:
+        return resolve_profile_path(profile or model)
+    except ProfileError:
+        if profile:
+            raise
+        return None
+
+
 def choose(model: str, threads: int, batch: int, profile: str | Path | None = None) -> Choice:
     """The configuration for (T, B); raises ``ProfileError`` for a named profile that is missing.
 
     ``InfeasibleError`` (a ``ValueError``) propagates when the profile cannot
     cover B within T.
     """
-    try:
-        path = resolve_profile_path(profile or model)
-    except ProfileError:
-        if profile:
-            raise
+    path = find_profile(model, profile)
+    if path is None:
         config = Configuration.uniform(1, threads, batch)
         return Choice(config, "default", None,
                       f"no profile for {model!r}: one instance with {threads} threads and batch {batch} "

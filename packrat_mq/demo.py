@@ -52,12 +52,13 @@ def main() -> int:
     from packrat_mq.client import Client
     from packrat_mq.connection import EmbeddedRedis, connect
     from packrat_mq.instances import Configuration
-    from packrat_mq.service import Service, default_threads
+    from packrat_mq.service import Service
+    from workers.topology import Topology
     from packrat_mq.settings import Settings
 
     from optimizer.selection import choose
 
-    threads = default_threads()
+    threads = Topology.detect().max_cores_per_socket
     batch = 8
     choice = choose("minilm", threads, batch)
     config = choice.configuration

@@ -191,19 +191,23 @@ def encode_payload(value: Any) -> tuple[bytes, str]:
         return buf.getvalue(), NPY
     if isinstance(value, str):
         return value.encode("utf-8"), TEXT
-    return json.dumps(value, separators=(",", ":"), default=_json_default).encode("utf-8"), JSON
+    return _json_bytes(value), JSON
 
 
 def encode_as(content_type: str, value: Any) -> bytes:
     """Encode ``value`` as the given content type (``TypeError`` if it cannot be)."""
     if content_type == JSON:
-        return json.dumps(value, separators=(",", ":"), default=_json_default).encode("utf-8")
+        return _json_bytes(value)
     if content_type == TEXT and isinstance(value, str):
         return value.encode("utf-8")
     if content_type == NPY:
         payload, _ = encode_payload(np.asarray(value))
         return payload
     raise TypeError(f"cannot encode {type(value).__name__} as {content_type}; pass bytes")
+
+
+def _json_bytes(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":"), default=_json_default).encode("utf-8")
 
 
 def _json_default(value: Any) -> Any:

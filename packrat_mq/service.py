@@ -135,10 +135,3 @@ class Service:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-
-def default_threads() -> int:
-    """Physical cores of the largest socket this process may use."""
-    from workers.topology import Topology
-
-    topo = Topology.detect()
-    return max(len(s.cores) for s in topo.sockets) if topo.sockets else max(1, len(os.sched_getaffinity(0)))

@@ -53,19 +53,19 @@ def choose_configuration(
         except ConfigurationError as exc:
             raise click.BadParameter(str(exc), param_hint="--instances") from None
         # A hand-given configuration still has the profile split partial batches.
-        from optimizer.profile import ProfileError, resolve_profile_path
+        from optimizer.profile import ProfileError
+        from optimizer.selection import find_profile
 
         try:
-            return config, str(resolve_profile_path(profile or model))
+            path = find_profile(model, profile)
         except ProfileError:
-            if profile:
-                raise click.BadParameter(f"no profile {profile!r}", param_hint="--profile") from None
-            return config, None
+            raise click.BadParameter(f"no profile {profile!r}", param_hint="--profile") from None
+        return config, str(path) if path else None
     from optimizer.selection import choose
-    from packrat_mq.service import default_threads
+    from workers.topology import Topology
 
     try:
-        choice = choose(model, threads or default_threads(), batch or 1, profile)
+        choice = choose(model, threads or Topology.detect().max_cores_per_socket, batch or 1, profile)
     except ValueError as exc:
         raise click.ClickException(f"optimizer: {exc}") from None
     err(choice.note)
