@@ -1,4 +1,8 @@
-"""``python -m dispatcher SPEC_JSON``: the dispatcher process the supervisor starts."""
+"""``python -m dispatcher``: the dispatcher process the supervisor starts.
+
+Its spec comes as JSON on stdin, never in argv: it holds the Redis URL with
+its password, and ``/proc/<pid>/cmdline`` is readable by every user.
+"""
 from __future__ import annotations
 
 import logging
@@ -23,7 +27,7 @@ class DispatcherSpec(BaseModel):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    spec = DispatcherSpec.model_validate_json(argv[0])
+    spec = DispatcherSpec.model_validate_json(argv[0] if argv else sys.stdin.read())
     logging.basicConfig(
         level=os.environ.get("PACKRAT_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s dispatcher {spec.model} %(levelname)s %(message)s",

@@ -10,7 +10,18 @@ entries first, so nothing it read is lost.
 Flow control: a batch is read only when every instance has room (at most
 ``max_waiting`` sub-batches queued behind the one it is running), so the
 backlog stays in the request stream, whose length is what the estimator
-reads, instead of piling up in instance queues.
+reads, instead of piling up in instance queues. Only live instances count:
+one whose record says it is restarting, stopped or whose heartbeat is stale
+(see ``packrat_mq.liveness``) is sent nothing and does not hold the others
+up, and the batch shrinks to the live instances' shares until it is back.
+
+Backpressure: past ``max_backlog`` entries in the request stream, the newest
+requests that no dispatcher has read yet get an immediate "overloaded" error
+reply and are removed, so the backlog (and Redis's memory) stays bounded.
+
+No error of one iteration ends the loop: it is logged, counted in the
+dispatcher hash (``loop_errors``) and retried with exponential backoff; a
+consumer group lost to a Redis restart is recreated.
 """
 from __future__ import annotations
 
@@ -26,11 +37,13 @@ import redis
 from dispatcher.aggregation import Aggregator
 from dispatcher.orphans import sweep
 from dispatcher.partitioning import LatencyFn, split
-from packrat_mq import protocol
-from packrat_mq.connection import execute_replies
-from packrat_mq.deployment import Deployment
+from packrat_mq import protocol, replies
+from packrat_mq.backoff import Backoff
+from packrat_mq.deployment import Deployment, InstanceRecord
 from packrat_mq.keys import DISPATCHER_GROUP, check_model_name
+from packrat_mq.liveness import decode_float, effective_state
 from packrat_mq.settings import Settings
+from packrat_mq.streams import ensure_group, is_nogroup
 
 log = logging.getLogger("packrat_mq.dispatcher")
 
@@ -43,16 +56,9 @@ class DispatchStats:
     requests: int = 0
     rejected: int = 0
     unanswerable: int = 0
+    overloaded: int = 0
     sizes: dict[int, int] = field(default_factory=dict)
 
-
-def ensure_group(r: redis.Redis, stream: str, group: str) -> None:
-    """Create ``group`` on ``stream`` (and the stream) unless it exists."""
-    try:
-        r.xgroup_create(stream, group, id="0", mkstream=True)
-    except redis.ResponseError as exc:
-        if "BUSYGROUP" not in str(exc):
-            raise
 
 
 class Dispatcher:
@@ -90,6 +96,10 @@ class Dispatcher:
         self._recover_from: bytes | str = "0"
         self._stopping = False
         self._last_beat = 0.0
+        self._state = "starting"
+        self.backoff = Backoff()
+        #: The instances the last readiness check found alive (a subset of the deployment's).
+        self.live: list[InstanceRecord] = []
         self.aggregator: Aggregator[Entry] = Aggregator(self._read)
 
     # --- setup ----------------------------------------------------------
@@ -99,14 +109,29 @@ class Dispatcher:
         self.heartbeat("ready")
 
     def heartbeat(self, state: str | None = None) -> None:
-        """Tell supervisors and ``status`` that this dispatcher is alive (every ``heartbeat_s``)."""
+        """Tell supervisors and ``status`` that this dispatcher is alive (every ``heartbeat_s``).
+
+        The whole record is written each time (a Redis restart loses nothing
+        for long); counters (``batches``, ``restarts``, ``loop_errors``) are
+        HINCRBY'd where they change and never overwritten here.
+        """
         now = time.time()
-        if state is None and now - self._last_beat < self.settings.heartbeat_s:
-            return
-        fields: dict[str, str | int] = {"heartbeat": f"{now:.3f}"}
         if state is not None:
-            fields.update(state=state, pid=os.getpid(), host=socket.gethostname())
-        self.r.hset(self.keys.dispatcher(self.model), mapping=fields)
+            self._state = state
+        elif now - self._last_beat < self.settings.heartbeat_s:
+            return
+        fields: dict[str, str | int | float] = {
+            "heartbeat": f"{now:.3f}",
+            "interval": self.settings.heartbeat_s,
+            "state": self._state,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "max_backlog": self.settings.max_backlog,
+        }
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hset(self.keys.dispatcher(self.model), mapping=fields)
+        pipe.sadd(self.keys.models(), self.model)
+        pipe.execute()
         self._last_beat = now
 
     def stop(self) -> None:
@@ -145,18 +170,40 @@ class Dispatcher:
         return self.deployment
 
     def _ready(self) -> tuple[Deployment | None, bool]:
-        """(the deployment if every instance can take a sub-batch now, whether it just changed)."""
+        """(the deployment if every live instance can take a sub-batch now, whether it just changed).
+
+        Also sets :attr:`live`, and sheds load when the backlog is over its bound.
+        """
         pipe = self.r.pipeline(transaction=False)
         pipe.get(self.keys.config(self.model))
+        pipe.xlen(self.stream)
         deployment = self.deployment
-        if deployment:
-            for inst in deployment.instances:
-                pipe.xlen(self.keys.queue(self.model, inst.id))
-        raw, *lengths = pipe.execute()
+        instances = deployment.instances if deployment else []
+        for inst in instances:
+            pipe.xlen(self.keys.queue(self.model, inst.id))
+            pipe.hmget(self.keys.instance(self.model, inst.id), "state", "heartbeat", "interval")
+        raw, backlog, *rest = pipe.execute()
+        if backlog > self.settings.max_backlog:
+            self.shed(backlog - self.settings.max_backlog)
         current = self.refresh_deployment(raw)
         if current is not deployment:
             return None, True  # a new deployment: measure again with its own queues
-        if current is not None and all(n <= self.max_waiting for n in lengths):
+        if current is None:
+            return None, False
+        now = time.time()
+        live: list[InstanceRecord] = []
+        full = False
+        for inst, length, (state, beat, interval) in zip(instances, rest[0::2], rest[1::2]):
+            if state is not None:
+                shown = effective_state(state.decode(), decode_float(beat), decode_float(interval), now,
+                                        self.settings.heartbeat_s)
+                if shown != "ready":
+                    continue  # gone or restarting: its queue counts as full, the others go on
+            # No record at all: nothing says it is gone; flow control still bounds its queue.
+            live.append(inst)
+            full = full or length > self.max_waiting
+        self.live = live
+        if live and not full:
             return current, False
         return None, False
 
@@ -171,6 +218,9 @@ class Dispatcher:
                 self.r.blpop([self.keys.wakeup(self.model)], timeout=0.1)
             return 0
         self._recover_from = "0"  # the previous batch is acked: nothing handed out is pending
+        if len(self.live) < len(deployment.instances):
+            # Serve with the live instances only, and only as many requests as they take.
+            deployment = deployment.model_copy(update={"instances": self.live})
         entries = self.aggregator.next_batch(
             deployment.batch, self.settings.batch_timeout_ms, idle_block_ms=idle_block_ms
         )
@@ -189,18 +239,90 @@ class Dispatcher:
             try:
                 self.heartbeat()
                 if time.monotonic() >= next_sweep:
-                    sweep(self.r, self.settings)
                     next_sweep = time.monotonic() + self.sweep_interval_s
+                    sweep(self.r, self.settings)
                 self.run_once()
-            except redis.ConnectionError as exc:
-                log.warning("redis connection lost (%s); retrying in 0.5 s", exc)
-                # Entries read before the loss may be pending, not dispatched.
-                self._recovering = True
-                time.sleep(0.5)
-        self.heartbeat("stopped")
+                self.backoff.success()
+            except Exception as exc:  # noqa: BLE001 - one failed iteration never ends the dispatcher
+                self._recover(exc)
+        try:
+            self.heartbeat("stopped")
+        except redis.RedisError as exc:
+            log.warning("could not record the stop: %s", exc)
+
+    def _recover(self, exc: Exception) -> None:
+        """After a failed iteration: recreate a lost group, or back off; then re-read pending entries."""
+        # Entries read before the failure may be pending, not dispatched.
+        self._recovering = True
+        self._recover_from = "0"
+        if is_nogroup(exc):
+            log.warning("request stream %s lost its consumer group (Redis restarted or flushed); recreating it",
+                        self.stream)
+            try:
+                ensure_group(self.r, self.stream, DISPATCHER_GROUP)
+                self.heartbeat(self._state)
+                self.r.hincrby(self.keys.dispatcher(self.model), "groups_recreated", 1)
+                return
+            except redis.RedisError as again:
+                exc = again
+        delay = self.backoff.failure()
+        if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+            log.warning("redis unreachable (%s); retrying in %.2f s", exc, delay)
+        else:
+            log.exception("dispatcher for %s: loop iteration failed; retrying in %.2f s", self.model, delay)
+            try:
+                self.r.hincrby(self.keys.dispatcher(self.model), "loop_errors", 1)
+            except redis.RedisError:
+                pass
+        end = time.monotonic() + delay
+        while not self._stopping and time.monotonic() < end:
+            time.sleep(min(0.05, max(0.0, end - time.monotonic())))
+
+    # --- backpressure ---------------------------------------------------
+    def shed(self, excess: int) -> int:
+        """Answer the newest ``excess`` unread requests with "overloaded" and remove them.
+
+        Only entries after the group's last-delivered id are taken, so
+        nothing this dispatcher has read (and may be fanning out) is touched.
+        """
+        last = b"0-0"
+        for group in self.r.xinfo_groups(self.stream):
+            if group["name"] in (DISPATCHER_GROUP, DISPATCHER_GROUP.encode()):
+                last = group["last-delivered-id"]
+        last_s = last.decode() if isinstance(last, bytes) else str(last)
+        entries = self.r.xrevrange(self.stream, max="+", min=f"({last_s}", count=excess)
+        if not entries:
+            return 0
+        message = (f"overloaded: {self.model} has more than {self.settings.max_backlog} requests waiting; "
+                   "retry later")
+        pairs = []
+        unanswerable = 0
+        for sid, fields in entries:
+            request_id = (fields.get(b"id") or b"")[: protocol.MAX_ID_LEN].decode("utf-8", "replace")
+            reply_to = _usable_reply_to(fields, self.settings.prefix)
+            if reply_to is None:
+                unanswerable += 1
+                continue
+            pairs.append((reply_to, protocol.error_reply(request_id, message, model=self.model)))
+        pipe = self.r.pipeline(transaction=True)
+        stats_key = self.keys.stats(self.model)
+        for reply_to, group in replies.group_by_stream(pairs).items():
+            replies.queue_replies(pipe, reply_to, group, ttl_s=self.settings.reply_ttl_s, stats_key=stats_key)
+        pipe.xdel(self.stream, *(sid for sid, _ in entries))
+        pipe.hincrby(stats_key, "requests", len(entries))
+        pipe.hincrby(stats_key, "overloaded", len(entries))
+        if unanswerable:
+            pipe.hincrby(stats_key, "unanswerable", unanswerable)
+        replies.execute(pipe, f"model {self.model}")
+        self.stats.overloaded += len(entries)
+        log.warning("model %s: backlog over %d; %d newest requests refused as overloaded",
+                    self.model, self.settings.max_backlog, len(entries))
+        return len(entries)
 
     # --- fan-out --------------------------------------------------------
     def dispatch(self, entries: list[Entry], deployment: Deployment) -> None:
+        """Fan ``entries`` out to the instances of ``deployment`` in one transaction."""
+        instances = deployment.instances
         now_ms = int(time.time() * 1000)
         accepted: list[protocol.Request] = []
         rejected: list[protocol.RequestRejected] = []
@@ -210,38 +332,39 @@ class Dispatcher:
             try:
                 accepted.append(
                     protocol.parse_request(
-                        sid, fields, max_payload_bytes=self.settings.max_payload_bytes, now_ms=now_ms
+                        sid, fields, max_payload_bytes=self.settings.max_payload_bytes, now_ms=now_ms,
+                        prefix=self.settings.prefix,
                     )
                 )
             except protocol.RequestRejected as exc:
                 rejected.append(exc)
 
-        instances = [(i.threads, i.batch) for i in deployment.instances]
-        counts = split(len(accepted), instances, self.latency) if accepted else []
+        counts = split(len(accepted), [(i.threads, i.batch) for i in instances], self.latency) if accepted else []
         self._batch_seq += 1
         batch_id = f"{os.getpid()}-{self._batch_seq}"
 
         ids = [sid for sid, _ in entries]
         pipe = self.r.pipeline(transaction=True)
+        stats_key = self.keys.stats(self.model)
+        pairs = []
+        unanswerable = 0
+        for exc in rejected:
+            if exc.reply_to is None:
+                unanswerable += 1
+                log.warning("model %s: dropped request %r that cannot be answered: %s", self.model, exc.request_id, exc)
+                continue
+            pairs.append((exc.reply_to, protocol.error_reply(exc.request_id, str(exc), model=self.model)))
+        for reply_to, group in replies.group_by_stream(pairs).items():
+            replies.queue_replies(pipe, reply_to, group, ttl_s=self.settings.reply_ttl_s, stats_key=stats_key)
         start = 0
-        for inst, n in zip(deployment.instances, counts):
+        for inst, n in zip(instances, counts):
             if n == 0:
                 continue
             sub = accepted[start : start + n]
             start += n
             pipe.xadd(self.keys.queue(self.model, inst.id), protocol.encode_subbatch(sub, batch_id))
-        unanswerable = 0
-        for exc in rejected:
-            if exc.reply_to is None:
-                unanswerable += 1
-                log.warning("dropped request %r with no usable reply_to: %s", exc.request_id, exc)
-                continue
-            pipe.xadd(exc.reply_to, protocol.error_reply(exc.request_id, str(exc), model=self.model))
-        for reply_to in {exc.reply_to for exc in rejected if exc.reply_to is not None}:
-            pipe.expire(reply_to, self.settings.reply_ttl_s)
         pipe.xack(self.stream, DISPATCHER_GROUP, *ids)
         pipe.xdel(self.stream, *ids)
-        stats_key = self.keys.stats(self.model)
         pipe.hincrby(stats_key, "requests", len(accepted) + len(rejected))
         pipe.hincrby(stats_key, "batches", 1)
         pipe.hincrby(self.keys.dispatcher(self.model), "batches", 1)
@@ -249,13 +372,25 @@ class Dispatcher:
             pipe.hincrby(stats_key, "rejected", len(rejected))
         if unanswerable:
             pipe.hincrby(stats_key, "unanswerable", unanswerable)
-        execute_replies(pipe, log, f"model {self.model}")
+        replies.execute(pipe, f"model {self.model}")
 
         self.stats.batches += 1
         self.stats.requests += len(entries)
         self.stats.rejected += len(rejected)
         self.stats.unanswerable += unanswerable
         self.stats.sizes[len(accepted)] = self.stats.sizes.get(len(accepted), 0) + 1
+
+
+def _usable_reply_to(fields: dict[bytes, bytes], prefix: str) -> str | None:
+    """The entry's ``reply_to`` if a reply may be written there."""
+    raw = fields.get(b"reply_to")
+    try:
+        reply_to = raw.decode("utf-8") if raw is not None else None
+    except UnicodeDecodeError:
+        return None
+    if reply_to is None or protocol.reply_to_problem(reply_to, prefix):
+        return None
+    return reply_to
 
 
 def run_dispatcher(

@@ -4,6 +4,10 @@ A producer may XADD to ``<prefix>:requests:<model>`` for any name. Every
 dispatcher sweeps, about once a second, for request streams whose model is
 not in the models index and answers each entry with "unknown model". A short
 lock keeps two dispatchers from answering the same entry twice.
+
+Key names come from producers too: a request stream whose name is not UTF-8
+or not a valid model name is an unknown model like any other, and one
+stream that cannot be swept never stops the sweep of the others.
 """
 from __future__ import annotations
 
@@ -12,8 +16,7 @@ import uuid
 
 import redis
 
-from packrat_mq import protocol
-from packrat_mq.connection import execute_replies
+from packrat_mq import protocol, replies
 from packrat_mq.settings import Settings
 
 log = logging.getLogger("packrat_mq.orphans")
@@ -29,32 +32,45 @@ def sweep(r: redis.Redis, settings: Settings, *, batch: int = 500) -> int:
     if not r.set(keys.lock("orphan-sweep"), token, nx=True, px=LOCK_MS):
         return 0
     try:
-        served = {m.decode() for m in r.smembers(keys.models())}
-        pattern = keys.requests("*")
+        served = {m.decode("utf-8", "replace") for m in r.smembers(keys.models())}
+        head = keys.requests("").encode()
         handled = 0
-        for raw_key in r.scan_iter(match=pattern, count=1000, _type="stream"):
-            key = raw_key.decode()
-            model = key[len(keys.requests("")):]
+        for raw_key in r.scan_iter(match=keys.requests("*"), count=1000, _type="stream"):
+            model = raw_key[len(head):].decode("utf-8", "replace")
             if model in served:
                 continue
-            entries = r.xrange(key, count=batch)
-            if not entries:
-                continue
-            known = ", ".join(sorted(served)) or "none"
-            pipe = r.pipeline(transaction=True)
-            for sid, fields in entries:
-                rid = (fields.get(b"id") or b"").decode("utf-8", "replace")
-                reply_to = (fields.get(b"reply_to") or b"").decode("utf-8", "replace")
-                if reply_to:
-                    pipe.xadd(reply_to, protocol.error_reply(rid, f"unknown model {model!r}; served models: {known}"))
-                    pipe.expire(reply_to, settings.reply_ttl_s)
-                else:
-                    log.warning("dropped request %r for unknown model %r with no reply_to", rid, model)
-            pipe.xdel(key, *(sid for sid, _ in entries))
-            execute_replies(pipe, log, f"unknown model {model!r}")
-            handled += len(entries)
+            try:
+                handled += _answer(r, settings, raw_key, model, served, batch)
+            except redis.RedisError as exc:
+                log.warning("could not sweep request stream %r: %s", raw_key, exc)
         return handled
     finally:
         # Delete the lock only if it is still ours: a sweep slower than the
         # lock's expiry must not release a lock another sweeper now holds.
         r.eval(_RELEASE, 1, keys.lock("orphan-sweep"), token)
+
+
+def _answer(r: redis.Redis, settings: Settings, key: bytes, model: str, served: set[str], batch: int) -> int:
+    """Answer (and delete) up to ``batch`` requests of one unknown model's stream."""
+    entries = r.xrange(key, count=batch)
+    if not entries:
+        return 0
+    known = ", ".join(sorted(served)) or "none"
+    message = f"unknown model {model!r}; served models: {known}"
+    pairs = []
+    for sid, fields in entries:
+        rid = (fields.get(b"id") or b"")[: protocol.MAX_ID_LEN].decode("utf-8", "replace")
+        try:
+            reply_to = (fields.get(b"reply_to") or b"").decode("utf-8")
+        except UnicodeDecodeError:
+            reply_to = ""
+        if reply_to and not protocol.reply_to_problem(reply_to, settings.prefix):
+            pairs.append((reply_to, protocol.error_reply(rid, message)))
+        else:
+            log.warning("dropped request %r for unknown model %r that cannot be answered", rid, model)
+    pipe = r.pipeline(transaction=True)
+    for reply_to, group in replies.group_by_stream(pairs).items():
+        replies.queue_replies(pipe, reply_to, group, ttl_s=settings.reply_ttl_s)
+    pipe.xdel(key, *(sid for sid, _ in entries))
+    replies.execute(pipe, f"unknown model {model!r}")
+    return len(entries)

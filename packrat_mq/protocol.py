@@ -34,6 +34,7 @@ ERROR = "error"
 
 #: Longest id / reply_to accepted, so a hostile producer cannot blow up replies.
 MAX_ID_LEN = 256
+MAX_REPLY_TO_LEN = 1024
 
 
 class RequestRejected(ValueError):
@@ -78,16 +79,49 @@ def entry_ms(stream_id: bytes | str) -> int:
     return int(sid.split("-", 1)[0])
 
 
+def reply_to_problem(reply_to: str, prefix: str) -> str | None:
+    """Why ``reply_to`` may not be written to, or ``None`` if it may.
+
+    A reply stream must never be one of the deployment's own keys (its
+    configuration, an instance queue, the request stream): a reply, or the
+    reply TTL, would break serving. Only ``<prefix>:replies:...`` is allowed
+    inside the prefix.
+    """
+    if not reply_to or len(reply_to) > MAX_REPLY_TO_LEN:
+        return f"reply_to must be 1-{MAX_REPLY_TO_LEN} characters"
+    if reply_to.startswith(f"{prefix}:") and not reply_to.startswith(f"{prefix}:replies:"):
+        return f"reply_to {reply_to[:80]!r} is a key of the service itself; use {prefix}:replies:<client> or any key outside {prefix}:"
+    return None
+
+
 def parse_request(
-    stream_id: bytes, fields: dict[bytes, bytes], *, max_payload_bytes: int, now_ms: int | None = None
+    stream_id: bytes,
+    fields: dict[bytes, bytes],
+    *,
+    max_payload_bytes: int,
+    now_ms: int | None = None,
+    prefix: str = "packrat",
 ) -> Request:
-    """Check one request stream entry; raise :class:`RequestRejected` saying what is wrong."""
+    """Check one request stream entry; raise :class:`RequestRejected` saying what is wrong.
+
+    ``reply_to`` is set on the exception whenever the request can be answered,
+    which is whenever its ``reply_to`` is UTF-8 and outside the service's keys.
+    """
+    raw_id = fields.get(b"id")
     request_id = _text(fields, b"id") or ""
+    if raw_id and not request_id:
+        request_id = raw_id[:MAX_ID_LEN].decode("utf-8", "replace")
+    raw_reply_to = fields.get(b"reply_to")
     reply_to = _text(fields, b"reply_to")
-    if reply_to is not None and (not reply_to or len(reply_to) > 1024):
-        reply_to = None
+    if raw_reply_to is None:
+        raise RequestRejected("missing reply_to field", request_id=request_id)
     if reply_to is None:
-        raise RequestRejected("missing or unusable reply_to field", request_id=request_id)
+        raise RequestRejected("reply_to is not UTF-8 text", request_id=request_id)
+    problem = reply_to_problem(reply_to, prefix)
+    if problem:
+        raise RequestRejected(problem, request_id=request_id)
+    if raw_id is not None and raw_id and _text(fields, b"id") is None:
+        raise RequestRejected("id is not UTF-8 text", request_id=request_id, reply_to=reply_to)
     if not request_id:
         raise RequestRejected(
             "missing id field: every request needs a client-chosen id (UTF-8 text)", reply_to=reply_to
@@ -162,21 +196,70 @@ def request_fields(
 
 # --- payloads ---------------------------------------------------------
 def decode_payload(content_type: str, payload: bytes) -> Any:
-    """Decode a payload; raise :class:`PayloadError` with a readable reason."""
+    """Decode a payload; raise :class:`PayloadError` with a readable reason.
+
+    Any failure is a :class:`PayloadError`, whatever the decoder raised
+    (``RecursionError`` from deep JSON, ``MemoryError`` from a hostile
+    header): a producer's bytes must never be able to end a worker.
+    """
     try:
         if content_type == JSON:
-            return json.loads(payload)
+            return _decode_json(payload)
         if content_type == NPY:
-            # read_array, not np.load: np.load also opens .npz archives (and
-            # returns an NpzFile), which is not what this content type promises.
-            return np.lib.format.read_array(io.BytesIO(payload), allow_pickle=False)
+            return _decode_npy(payload)
         if content_type == TEXT:
             return payload.decode("utf-8")
         if content_type == BYTES:
             return payload
-    except (ValueError, UnicodeDecodeError, EOFError, OSError) as exc:
+    except PayloadError:
+        raise
+    except UnicodeDecodeError as exc:
+        raise PayloadError(f"payload is not valid {content_type}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except RecursionError:
+        raise PayloadError(f"payload is not valid {content_type}: nested too deeply") from None
+    except MemoryError:
+        raise PayloadError(f"payload is not valid {content_type}: too large to decode") from None
+    except Exception as exc:  # noqa: BLE001 - any decoder failure is the producer's input
         raise PayloadError(f"payload is not valid {content_type}: {exc}") from None
     raise PayloadError(f"unknown content_type {content_type!r}")
+
+
+def _decode_json(payload: bytes) -> Any:
+    # Decode as UTF-8 first: json.loads(bytes) guesses UTF-16/32 from the
+    # first bytes and then reports a misleading 'utf-16-le' error.
+    text = payload.decode("utf-8")
+    return json.loads(text)
+
+
+def _decode_npy(payload: bytes) -> Any:
+    """A ``.npy`` array whose header agrees with its length, read without pickle.
+
+    The header is checked before any allocation: a header that claims a
+    shape of 2**40 elements with no data must be refused, not allocated.
+    read_array, not np.load: np.load also opens .npz archives.
+    """
+    buf = io.BytesIO(payload)
+    version = np.lib.format.read_magic(buf)
+    if version == (1, 0):
+        shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(buf)
+    elif version in ((2, 0), (3, 0)):
+        shape, fortran_order, dtype = np.lib.format.read_array_header_2_0(buf)
+    else:
+        raise PayloadError(f"payload is not valid {NPY}: unsupported format version {version}")
+    if dtype.hasobject:
+        raise PayloadError(f"payload is not valid {NPY}: object arrays would need pickle")
+    count = 1
+    for dim in shape:
+        count *= int(dim)
+    expected = count * dtype.itemsize
+    available = len(payload) - buf.tell()
+    if expected != available:
+        raise PayloadError(
+            f"payload is not valid {NPY}: header says shape {tuple(shape)} of {dtype} "
+            f"({expected} bytes) but {available} bytes follow"
+        )
+    buf.seek(0)
+    return np.lib.format.read_array(buf, allow_pickle=False)
 
 
 def encode_payload(value: Any) -> tuple[bytes, str]:

@@ -5,6 +5,13 @@ end-to-end tests use it too. Shutdown order is what makes it lossless: stop
 the dispatcher (no new sub-batches), let the instances drain their queues,
 then stop them; requests still in the request stream stay there for the
 next start.
+
+Supervision rides out anything one check can throw (Redis restarting, a
+write refused): the error is logged, counted and the next check comes after
+an exponential backoff; nothing in the loop sleeps longer than its poll.
+With ``exit_with_parent`` the service also stops, in order, when the program
+that started it dies (a test runner, a process manager killed with SIGKILL),
+the way its own children stop when it dies.
 """
 from __future__ import annotations
 
@@ -12,16 +19,16 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import redis
 
+from packrat_mq.backoff import Backoff
 from packrat_mq.instances import Configuration
 from packrat_mq.settings import Settings
-from workers.pool import Pool
+from workers.pool import Pool, restart_backoff, spawn
 
 log = logging.getLogger("packrat_mq.service")
 
@@ -42,6 +49,7 @@ class Service:
         profile: str | Path | None = None,
         node: str | None = None,
         with_dispatcher: bool = True,
+        exit_with_parent: bool = False,
     ) -> None:
         self.r = r
         self.settings = settings
@@ -52,6 +60,12 @@ class Service:
         self.with_dispatcher = with_dispatcher  # False: the pool alone (docker-compose runs the dispatcher)
         self.dispatcher: subprocess.Popen[bytes] | None = None
         self.dispatcher_restarts = 0
+        self._dispatcher_backoff = restart_backoff()
+        self._dispatcher_next_start = 0.0
+        #: The parent to outlive by no more than a poll, when asked to.
+        self.parent_pid = os.getppid() if exit_with_parent else None
+        self.loop_errors = 0
+        self._loop_backoff = Backoff(base=0.1, cap=5.0)
 
     def start(self, ready_timeout: float = 600.0) -> None:
         self.pool.start()
@@ -65,9 +79,7 @@ class Service:
 
         spec = DispatcherSpec(url=self.url, settings=self.settings, model=self.model, profile=self.profile,
                               parent_pid=os.getpid())
-        self.dispatcher = subprocess.Popen(
-            [sys.executable, "-m", "dispatcher", spec.model_dump_json()], start_new_session=True
-        )
+        self.dispatcher = spawn("dispatcher", spec.model_dump_json())
 
     def _wait_dispatcher(self, timeout: float) -> None:
         """Block until the dispatcher process reports ready, so "ready" means requests flow."""
@@ -85,16 +97,41 @@ class Service:
             time.sleep(0.02)
 
     def check(self) -> None:
-        """Restart whatever died (instances, dispatcher)."""
+        """Restart whatever died (instances, dispatcher); never blocks."""
         self.pool.check()
-        if self.dispatcher is not None and self.dispatcher.poll() is not None:
-            log.warning("dispatcher exited with code %s; restarting", self.dispatcher.returncode)
-            self.dispatcher_restarts += 1
-            time.sleep(min(5.0, 0.5 * self.dispatcher_restarts))
-            self._start_dispatcher()
+        proc = self.dispatcher
+        if proc is not None and proc.poll() is not None:
+            now = time.monotonic()
+            if self._dispatcher_next_start == 0.0:
+                delay = self._dispatcher_backoff.failure()
+                self._dispatcher_next_start = now + delay
+                log.warning("dispatcher exited with code %s; restarting in %.0f s", proc.returncode, delay)
+                self._mark_dispatcher("restarting")
+            if now >= self._dispatcher_next_start:
+                self._dispatcher_next_start = 0.0
+                self.dispatcher_restarts += 1
+                self._start_dispatcher()
+                self._mark_dispatcher(None, restarts=1)
+        elif proc is not None:
+            self._dispatcher_backoff.success()
+        # After a Redis restart without persistence the deployment is gone.
+        self.pool.republish_if_lost()
+
+    def _mark_dispatcher(self, state: str | None, restarts: int = 0) -> None:
+        key = self.settings.keys.dispatcher(self.model)
+        try:
+            if state is not None:
+                self.r.hset(key, "state", state)
+            if restarts:
+                self.r.hincrby(key, "restarts", restarts)
+        except redis.RedisError as exc:
+            log.warning("could not record the dispatcher's %s in Redis: %s", state or "restart", exc)
+
+    def parent_gone(self) -> bool:
+        return self.parent_pid is not None and os.getppid() != self.parent_pid
 
     def serve_forever(self, poll_s: float = 0.5) -> None:
-        """Supervise until SIGINT/SIGTERM, then shut down in order."""
+        """Supervise until SIGINT/SIGTERM (or the parent's death, if watched), then return."""
         stopping = False
 
         def _stop(signum: int, frame: Any) -> None:
@@ -105,13 +142,29 @@ class Service:
         old_term = signal.signal(signal.SIGTERM, _stop)
         try:
             while not stopping:
-                self.check()
-                time.sleep(poll_s)
+                if self.parent_gone():
+                    log.warning("parent (pid %d) is gone; stopping", self.parent_pid)
+                    break
+                wait = poll_s
+                try:
+                    self.check()
+                    self._loop_backoff.success()
+                except Exception as exc:  # noqa: BLE001 - supervision must outlive any one failure
+                    self.loop_errors += 1
+                    wait = max(poll_s, self._loop_backoff.failure())
+                    if isinstance(exc, redis.RedisError):
+                        log.warning("supervisor: redis error (%s); checking again in %.1f s", exc, wait)
+                    else:
+                        log.exception("supervisor check failed; checking again in %.1f s", wait)
+                end = time.monotonic() + wait
+                while not stopping and time.monotonic() < end:
+                    time.sleep(min(poll_s, 0.1))
         finally:
             signal.signal(signal.SIGINT, old_int)
             signal.signal(signal.SIGTERM, old_term)
 
     def stop(self, timeout: float = 30.0) -> None:
+        """Dispatcher first, then let the instances drain, then stop them; Redis may be down meanwhile."""
         if self.dispatcher is not None and self.dispatcher.poll() is None:
             self.dispatcher.send_signal(signal.SIGTERM)
             try:
@@ -119,14 +172,22 @@ class Service:
             except subprocess.TimeoutExpired:
                 self.dispatcher.kill()
                 self.dispatcher.wait()
-        if not self.pool.drain(timeout):
+        try:
+            drained = self.pool.drain(timeout)
+        except redis.RedisError as exc:
+            log.warning("cannot see the instance queues (%s); stopping the instances anyway", exc)
+            drained = False
+        if not drained:
             log.warning("instance queues not empty at shutdown; their work is kept in Redis")
         self.pool.stop(timeout)
-        self.pool.retire()
-        if self.with_dispatcher:
-            # With a separate dispatcher the deployment stays: a restarted pool
-            # of the same node and generation takes it over.
-            self.r.delete(self.settings.keys.config(self.model))
+        try:
+            self.pool.retire()
+            if self.with_dispatcher:
+                # With a separate dispatcher the deployment stays: a restarted pool
+                # of the same node and generation takes it over.
+                self.r.delete(self.settings.keys.config(self.model))
+        except redis.RedisError as exc:
+            log.warning("could not remove this deployment's records from Redis: %s", exc)
 
     def __enter__(self) -> Service:
         self.start()

@@ -32,6 +32,11 @@ class Settings(BaseSettings):
     )
     graph_mode: bool = Field(default=False, description="TorchScript trace + freeze the model.")
     heartbeat_s: float = Field(default=1.0, gt=0, description="How often instances and the dispatcher report.")
+    max_backlog: int = Field(
+        default=100_000,
+        ge=1,
+        description="Bound on a model's request stream; newer requests past it get an 'overloaded' error reply.",
+    )
 
     @property
     def keys(self) -> Keys:

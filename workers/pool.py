@@ -4,7 +4,16 @@ Each instance is a spawned process (never forked: a forked torch runtime
 shares thread pools with its parent) started as ``python -m workers.worker``
 with its thread variables set in its environment before it imports torch.
 An instance that dies is started again on the same cores with the same
-consumer name, so it picks up the sub-batch it was serving.
+consumer name, so it picks up the sub-batch it was serving. Restarts back
+off exponentially (at once, then 1 s, 2 s, ... up to 30 s) and the count
+starts over once an instance has run for 30 s without dying.
+
+The spec, which holds the Redis URL and so its password, goes to the child
+on a pipe (stdin), never on its command line: ``/proc/<pid>/cmdline`` is
+readable by every user of the machine.
+
+Every Redis write of the supervisor may fail (Redis restarting): it is
+logged and done again on the next check, never allowed to end supervision.
 """
 from __future__ import annotations
 
@@ -20,11 +29,12 @@ from typing import Any
 
 import redis
 
-from dispatcher.dispatcher import ensure_group
+from packrat_mq.backoff import Backoff
 from packrat_mq.deployment import Deployment, InstanceRecord
 from packrat_mq.instances import Configuration
 from packrat_mq.keys import WORKER_GROUP, check_model_name
 from packrat_mq.settings import Settings
+from packrat_mq.streams import ensure_group
 from workers.allocation import CoreAssignment, allocate, thread_env
 from workers.topology import Topology
 from workers.worker import WorkerSpec
@@ -38,8 +48,31 @@ class Instance:
     spec: WorkerSpec
     process: subprocess.Popen[bytes] | None = None
     restarts: int = 0
+    #: When a dead instance is started again (monotonic); 0.0 while it runs.
     next_start: float = 0.0
-    history: list[float] = field(default_factory=list)
+    backoff: Backoff = field(default_factory=lambda: restart_backoff())
+
+
+def restart_backoff() -> Backoff:
+    """The one restart policy: at once, then 1 s doubling to 30 s; forgotten after 30 s healthy."""
+    return Backoff(base=1.0, factor=2.0, cap=30.0, healthy_s=30.0, first_immediate=True)
+
+
+def spawn(module: str, spec_json: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start ``python -m module`` with its spec on stdin (never in argv: it holds the Redis password)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module],
+        env=env,
+        stdin=subprocess.PIPE,
+        start_new_session=True,  # Ctrl-C reaches the supervisor, which stops children in order
+    )
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(spec_json.encode())
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass  # it died at once; the supervisor sees the exit code
+    return proc
 
 
 class Pool:
@@ -120,6 +153,14 @@ class Pool:
         self.r.set(self.keys.config(self.model), self.deployment.model_dump_json())
         self.r.sadd(self.keys.models(), self.model)
 
+    def republish_if_lost(self) -> bool:
+        """Publish again when Redis lost the deployment (a restart without persistence, a FLUSHALL)."""
+        if self.r.exists(self.keys.config(self.model)):
+            return False
+        log.warning("the deployment of %s is gone from Redis (restarted or flushed); publishing it again", self.model)
+        self.publish()
+        return True
+
     def reshare(self, configuration: Configuration) -> None:
         """Serve a new batch split with the same instances, without restarting them.
 
@@ -145,12 +186,7 @@ class Pool:
                             ("HF_HUB_DISABLE_PROGRESS_BARS", "1"), ("TRANSFORMERS_VERBOSITY", "error"),
                             ("TOKENIZERS_PARALLELISM", "false")):
             env.setdefault(name, value)
-        inst.process = subprocess.Popen(
-            [sys.executable, "-m", "workers.worker", inst.spec.model_dump_json()],
-            env=env,
-            start_new_session=True,  # Ctrl-C reaches the supervisor, which stops children in order
-        )
-        inst.history.append(time.time())
+        inst.process = spawn("workers.worker", inst.spec.model_dump_json(), env)
         log.info("started %s (pid %d) on cpus %s", inst.record.id, inst.process.pid, inst.record.cpus)
 
     def wait_ready(self, timeout: float = 300.0) -> None:
@@ -171,32 +207,44 @@ class Pool:
                 time.sleep(0.05)
 
     def check(self) -> list[str]:
-        """Restart instances that died; returns the ids restarted now.
+        """Restart instances that died; returns the ids restarted now. Never blocks.
 
-        A crash loop backs off (1 s, 2 s, ... up to 30 s) instead of spinning.
+        A crash loop backs off (see :func:`restart_backoff`) instead of spinning.
         """
         restarted = []
         now = time.monotonic()
         for inst in self.instances:
             proc = inst.process
             if proc is None or proc.poll() is None:
+                if proc is not None:
+                    inst.backoff.success()
                 continue
             if inst.next_start == 0.0:
-                recent = [t for t in inst.history if time.time() - t < 60]
-                delay = min(30.0, 2.0 ** max(0, len(recent) - 2)) if len(recent) > 1 else 0.0
+                delay = inst.backoff.failure()
                 inst.next_start = now + delay
                 log.warning(
                     "instance %s (pid %d) exited with code %s; restarting in %.0f s",
                     inst.record.id, proc.pid, proc.returncode, delay,
                 )
-                self.r.hset(self.keys.instance(self.model, inst.record.id), "state", "restarting")
+                self._record(inst, state="restarting")
             if now >= inst.next_start:
                 inst.restarts += 1
                 inst.next_start = 0.0
-                self.r.hincrby(self.keys.instance(self.model, inst.record.id), "restarts", 1)
                 self._spawn(inst)
+                self._record(inst, restarts=1)
                 restarted.append(inst.record.id)
         return restarted
+
+    def _record(self, inst: Instance, *, state: str | None = None, restarts: int = 0) -> None:
+        """Best-effort write to an instance's hash: Redis may be down, supervision goes on."""
+        key = self.keys.instance(self.model, inst.record.id)
+        try:
+            if state is not None:
+                self.r.hset(key, "state", state)
+            if restarts:
+                self.r.hincrby(key, "restarts", restarts)
+        except redis.RedisError as exc:
+            log.warning("could not record %s of %s in Redis: %s", state or "a restart", inst.record.id, exc)
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM every instance (each finishes its batch), SIGKILL stragglers."""

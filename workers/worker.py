@@ -1,12 +1,22 @@
 """A worker instance: one process, pinned to its cores, serving its own queue.
 
-Started by the pool (``python -m workers.worker SPEC_JSON``) with OMP/MKL
-thread variables already in its environment; it pins itself, loads the
+Started by the pool (``python -m workers.worker``, its spec as JSON on stdin:
+never in argv, which any user can read in ``/proc``, as it holds the Redis
+URL with its password) with OMP/MKL thread variables already in its
+environment; it pins itself, loads the
 handler once, then loops: read a sub-batch, run it, and in one MULTI/EXEC
 send every reply, XACK and XDEL the sub-batch and wake the dispatcher. The
 transaction is what makes each request answered exactly once: a worker that
 dies before EXEC leaves the sub-batch pending, and its replacement (same
 consumer name) delivers it again; one that dies after has nothing pending.
+
+No input ends the process: any exception while decoding or running a
+sub-batch becomes error replies for that sub-batch, and any error of an
+iteration of the loop (Redis gone, a consumer group lost to a Redis restart)
+is logged, counted in the instance hash (``loop_errors``) and retried with
+exponential backoff. A heartbeat thread keeps the instance hash current even
+while a long batch runs, so the dispatcher and ``status`` can tell a busy
+instance from a dead one.
 """
 from __future__ import annotations
 
@@ -15,17 +25,19 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from typing import Any
 
 import redis
 from pydantic import BaseModel, Field
 
-from packrat_mq import protocol
-from packrat_mq.connection import execute_replies
+from packrat_mq import protocol, replies
+from packrat_mq.backoff import Backoff
 from packrat_mq.handler import BaseHandler, Context, Input, Outcome, load_handler, run_batch
 from packrat_mq.keys import WORKER_GROUP
 from packrat_mq.settings import Settings
+from packrat_mq.streams import ensure_group, is_nogroup
 
 log = logging.getLogger("packrat_mq.worker")
 
@@ -65,36 +77,64 @@ class Worker:
         self.keys = self.settings.keys
         self.queue = self.keys.queue(spec.model, spec.instance_id)
         self.instance_key = self.keys.instance(spec.model, spec.instance_id)
-        self._stopping = False
+        self._stopping = threading.Event()
         self._recovering = True
         self._last_beat = 0.0
+        self._state = "starting"
         self.batches = 0
+        self.backoff = Backoff()
 
     def stop(self) -> None:
-        self._stopping = True
+        self._stopping.set()
+
+    # --- live state -------------------------------------------------------
+    def record(self) -> dict[str, str | int | float]:
+        """The instance hash's fields (counters are HINCRBY'd where they change)."""
+        s = self.spec
+        return {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "state": self._state,
+            "threads": s.threads,
+            "batch": s.batch,
+            "cpus": ",".join(map(str, s.cpus)),
+            "socket": s.socket,
+            "interval": self.settings.heartbeat_s,
+            "heartbeat": f"{time.time():.3f}",
+        }
 
     def register(self, state: str) -> None:
-        s = self.spec
-        self.r.hset(
-            self.instance_key,
-            mapping={
-                "pid": os.getpid(),
-                "host": socket.gethostname(),
-                "state": state,
-                "threads": s.threads,
-                "batch": s.batch,
-                "cpus": ",".join(map(str, s.cpus)),
-                "socket": s.socket,
-                "heartbeat": f"{time.time():.3f}",
-            },
-        )
-        self.r.sadd(self.keys.instances(s.model), s.instance_id)
+        """Write the whole record with a new state (and join the model's instance index)."""
+        self._state = state
+        self._write_record()
+
+    def _write_record(self) -> None:
+        # The whole record every time, not only the heartbeat field: after a
+        # Redis restart without persistence the next beat restores it.
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hset(self.instance_key, mapping=self.record())
+        pipe.sadd(self.keys.instances(self.spec.model), self.spec.instance_id)
+        pipe.execute()
+        self._last_beat = time.monotonic()
 
     def heartbeat(self) -> None:
-        now = time.time()
-        if now - self._last_beat >= self.settings.heartbeat_s:
-            self.r.hset(self.instance_key, "heartbeat", f"{now:.3f}")
-            self._last_beat = now
+        """Renew the record if a heartbeat interval has passed."""
+        if time.monotonic() - self._last_beat >= self.settings.heartbeat_s:
+            self._write_record()
+
+    def _beat_forever(self) -> None:
+        """Heartbeat thread: beats while the main thread runs long batches."""
+        while not self._stopping.wait(self.settings.heartbeat_s):
+            try:
+                self.heartbeat()
+            except Exception as exc:  # noqa: BLE001 - a missed beat is retried next interval
+                log.debug("heartbeat failed: %s", exc)
+
+    def _count(self, field: str) -> None:
+        try:
+            self.r.hincrby(self.instance_key, field, 1)
+        except redis.RedisError:
+            pass
 
     # --- loop -------------------------------------------------------------
     def read(self, block_ms: int = 1000) -> list[tuple[bytes, dict[bytes, bytes]]]:
@@ -110,20 +150,53 @@ class Worker:
     def run(self) -> None:
         self.register("ready")
         log.info("instance %s ready on cpus %s", self.spec.instance_id, self.spec.cpus)
-        while not self._stopping:
+        beat = threading.Thread(target=self._beat_forever, name="heartbeat", daemon=True)
+        beat.start()
+        while not self._stopping.is_set():
             if self.spec.parent_pid is not None and os.getppid() != self.spec.parent_pid:
                 log.warning("supervisor (pid %d) is gone; instance %s stops", self.spec.parent_pid, self.spec.instance_id)
                 break
             try:
-                self.heartbeat()
-                for entry_id, fields in self.read():
-                    self.process(entry_id, fields)
-            except redis.ConnectionError as exc:
-                log.warning("redis connection lost (%s); retrying in 0.5 s", exc)
-                # A sub-batch read before the loss may still be pending here.
-                self._recovering = True
-                time.sleep(0.5)
-        self.register("stopped")
+                self.run_once()
+                self.backoff.success()
+            except Exception as exc:  # noqa: BLE001 - one failed iteration never ends the instance
+                self._recover(exc)
+        self._stopping.set()
+        beat.join(self.settings.heartbeat_s + 1)
+        try:
+            self.register("stopped")
+        except redis.RedisError as exc:
+            log.warning("could not record the stop: %s", exc)
+
+    def run_once(self, block_ms: int = 1000) -> int:
+        """Read and serve what is there (at most one sub-batch); returns how many were served."""
+        self.heartbeat()
+        entries = self.read(block_ms)
+        for entry_id, fields in entries:
+            self.process(entry_id, fields)
+        return len(entries)
+
+    def _recover(self, exc: Exception) -> None:
+        """After a failed iteration: recreate a lost group, or wait (backing off) and re-read pending work."""
+        # A sub-batch read before the failure may still be pending here.
+        self._recovering = True
+        if is_nogroup(exc):
+            log.warning("instance %s: queue %s lost its consumer group (Redis restarted or flushed); recreating it",
+                        self.spec.instance_id, self.queue)
+            try:
+                ensure_group(self.r, self.queue, WORKER_GROUP)
+                self.register(self._state)
+                self._count("groups_recreated")
+                return
+            except redis.RedisError as again:
+                exc = again
+        delay = self.backoff.failure()
+        if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+            log.warning("redis unreachable (%s); retrying in %.2f s", exc, delay)
+        else:
+            log.exception("instance %s: loop iteration failed; retrying in %.2f s", self.spec.instance_id, delay)
+            self._count("loop_errors")
+        self._stopping.wait(delay)
 
     def _deliveries(self, entry_id: bytes) -> int:
         info = self.r.xpending_range(self.queue, WORKER_GROUP, min=entry_id, max=entry_id, count=1)
@@ -136,7 +209,7 @@ class Worker:
             return
         try:
             requests = protocol.decode_subbatch(fields)
-        except (KeyError, ValueError, IndexError, TypeError) as exc:
+        except Exception as exc:  # noqa: BLE001
             # Only the dispatcher writes here; a broken entry is a bug, not input.
             log.error("unreadable sub-batch %s dropped: %s", entry_id, exc)
             self._finish(entry_id, [])
@@ -152,7 +225,16 @@ class Worker:
                 outcomes = [Outcome(error=message) for _ in requests]
                 self._finish(entry_id, requests, outcomes, started_ms=started_ms, inference_ms=0.0)
                 return
+        try:
+            outcomes, inference_ms = self._serve(requests, started_ms)
+        except Exception as exc:  # noqa: BLE001 - whatever went wrong, this sub-batch alone fails
+            log.exception("instance %s: sub-batch %s failed outside the handler", self.spec.instance_id, entry_id)
+            outcomes = [Outcome(error=f"internal error serving this batch: {type(exc).__name__}: {exc}")
+                        for _ in requests]
+            inference_ms = 0.0
+        self._finish(entry_id, requests, outcomes, started_ms=started_ms, inference_ms=inference_ms)
 
+    def _serve(self, requests: list[protocol.Request], started_ms: float) -> tuple[list[Outcome], float]:
         outcomes: list[Outcome | None] = [None] * len(requests)
         items: list[Input] = []
         positions: list[int] = []
@@ -173,8 +255,7 @@ class Worker:
             inference_ms = result.inference_ms
             for k, outcome in zip(positions, result.outcomes):
                 outcomes[k] = outcome
-        self._finish(entry_id, requests, [o or Outcome(error="no result") for o in outcomes],
-                     started_ms=started_ms, inference_ms=inference_ms)
+        return [o or Outcome(error="no result") for o in outcomes], inference_ms
 
     def _finish(
         self,
@@ -187,10 +268,13 @@ class Worker:
     ) -> None:
         s = self.spec
         pipe = self.r.pipeline(transaction=True)
-        errors = 0
+        pairs = []
         for req, outcome in zip(requests, outcomes or []):
             timing = {
-                "queue_ms": max(0.0, started_ms - req.enqueued_ms),
+                # Not clamped at 0: a negative value says the worker's clock is
+                # behind Redis's (the request's time is its stream id), which
+                # a clamp would hide.
+                "queue_ms": started_ms - req.enqueued_ms,
                 "inference_ms": inference_ms,
                 "batch_size": len(requests),
                 "instance": s.instance_id,
@@ -199,26 +283,28 @@ class Worker:
             if outcome.ok:
                 try:
                     payload, ctype = protocol.encode_payload(outcome.value)
-                except (TypeError, ValueError) as exc:
+                except Exception as exc:  # noqa: BLE001 - a bad value fails its own request only
                     outcome = Outcome(error=f"handler output could not be encoded: {exc}")
                 else:
-                    pipe.xadd(req.reply_to, protocol.reply_fields(req.id, payload=payload, content_type=ctype, **timing))
+                    pairs.append((req.reply_to, protocol.reply_fields(req.id, payload=payload, content_type=ctype, **timing)))
             if not outcome.ok:
-                errors += 1
-                pipe.xadd(req.reply_to, protocol.error_reply(req.id, outcome.error or "error", **timing))
-        # One EXPIRE per reply stream, not per reply: a client's requests share one.
-        for reply_to in {req.reply_to for req in requests}:
-            pipe.expire(reply_to, self.settings.reply_ttl_s)
+                pairs.append((req.reply_to, protocol.error_reply(req.id, outcome.error or "error", **timing)))
+        stats = self.keys.stats(s.model)
+        grouped = replies.group_by_stream(pairs)
+        for reply_to, group in grouped.items():
+            replies.queue_replies(pipe, reply_to, group, ttl_s=self.settings.reply_ttl_s, stats_key=stats)
         pipe.xack(self.queue, WORKER_GROUP, entry_id)
         pipe.xdel(self.queue, entry_id)
         pipe.lpush(self.keys.wakeup(s.model), s.instance_id)
         pipe.ltrim(self.keys.wakeup(s.model), 0, WAKEUP_CAP - 1)
-        stats = self.keys.stats(s.model)
-        pipe.hincrby(stats, "replies", len(requests))
-        if errors:
-            pipe.hincrby(stats, "errors", errors)
         pipe.hincrby(self.instance_key, "batches", 1)
-        execute_replies(pipe, log, f"instance {s.instance_id}")
+        results = replies.execute(pipe, f"instance {s.instance_id}")
+        # The delivery scripts were queued first: their results come first.
+        for (reply_to, group), res in zip(grouped.items(), results):
+            if res == -1:
+                ids = ", ".join(str(f["id"]) for f in group)
+                log.warning("instance %s: reply_to %r is not a stream; replies to %s were not written",
+                            s.instance_id, reply_to, ids)
         self.batches += 1
 
 
@@ -234,9 +320,14 @@ def build_context(spec: WorkerSpec) -> Context:
     )
 
 
+def read_spec(argv: list[str]) -> WorkerSpec:
+    """The spec from stdin (how the pool passes it), or from ``argv[0]`` when given (tests)."""
+    raw = argv[0] if argv else sys.stdin.read()
+    return WorkerSpec.model_validate_json(raw)
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    spec = WorkerSpec.model_validate_json(argv[0])
+    spec = read_spec(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(
         level=os.environ.get("PACKRAT_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s worker {spec.instance_id} %(levelname)s %(message)s",
