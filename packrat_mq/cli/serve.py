@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from packrat_mq.cli.helpers import connect_or_fail, err, parse_handler_options, redis_options
+from packrat_mq.cli.helpers import connect_or_fail, err, parse_handler_options, redis_options, remember_url
 from packrat_mq.instances import Configuration, ConfigurationError
 from packrat_mq.settings import Settings
 
@@ -26,6 +26,8 @@ class ServePlan:
     options: dict[str, Any]
     node: str | None
     graph: bool
+    #: Stop (in order) when the program that started this one dies.
+    exit_with_parent: bool = False
 
 
 def model_and_handler(model: str, name: str | None) -> tuple[str, str]:
@@ -91,13 +93,17 @@ def serving_options(func: Callable[..., Any]) -> Callable[..., Any]:
     @click.option("--node", default=None, help="Node name in instance ids (default: host name).")
     @click.option("--name", default=None,
                   help="Name to serve the model under (default: the zoo name, or the handler class).")
+    @click.option("--exit-with-parent/--no-exit-with-parent", envvar="PACKRAT_EXIT_WITH_PARENT", default=False,
+                  help="Stop in order when the program that started this command dies (a test runner, "
+                       "a process manager); env PACKRAT_EXIT_WITH_PARENT=1.")
     @functools.wraps(func)
     def wrapper(*args: Any, model: str, instances: str | None, threads: int | None, batch: int | None,
                 profile: str | None, graph: bool, option_pairs: tuple[str, ...], node: str | None,
-                name: str | None, **kwargs: Any) -> Any:
+                name: str | None, exit_with_parent: bool, **kwargs: Any) -> Any:
         served, handler = model_and_handler(model, name)
         config, profile_path = choose_configuration(served, instances, threads, batch, profile)
-        plan = ServePlan(served, handler, config, profile_path, parse_handler_options(option_pairs), node, graph)
+        plan = ServePlan(served, handler, config, profile_path, parse_handler_options(option_pairs), node, graph,
+                         exit_with_parent)
         return func(*args, plan=plan, **kwargs)
 
     return wrapper
@@ -118,7 +124,7 @@ def _run(settings: Settings, url: str, plan: ServePlan, *, with_dispatcher: bool
     try:
         service = Service(connect(url), settings, url, plan.model, config, handler=plan.handler,
                           options=plan.options, profile=plan.profile_path, node=plan.node,
-                          with_dispatcher=with_dispatcher)
+                          with_dispatcher=with_dispatcher, exit_with_parent=plan.exit_with_parent)
     except AllocationError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"starting {plan.model}: {config} (B={config.batch}, {config.threads} threads"
@@ -138,10 +144,10 @@ def _run(settings: Settings, url: str, plan: ServePlan, *, with_dispatcher: bool
 
 
 @click.command()
+@redis_options(check=True)  # outermost: a bad URL fails before the optimizer or anything else runs
 @serving_options
 @click.option("--batch-timeout-ms", type=click.FloatRange(min=0), default=None,
               help="Send a partial batch this long after its first request.")
-@redis_options
 def up(settings: Settings, plan: ServePlan, batch_timeout_ms: float | None) -> None:
     """Serve MODEL: worker pool + dispatcher (+ embedded Redis) until Ctrl-C.
 
@@ -164,6 +170,7 @@ def up(settings: Settings, plan: ServePlan, batch_timeout_ms: float | None) -> N
         embedded = EmbeddedRedis().start()
         url = embedded.url
         click.echo(f"embedded Redis at {url} (other packrat-mq commands find it; redis-cli -s {url[7:]})")
+    remember_url(url)
     try:
         _run(settings, url, plan, with_dispatcher=True)
     finally:
@@ -172,8 +179,8 @@ def up(settings: Settings, plan: ServePlan, batch_timeout_ms: float | None) -> N
 
 
 @click.command()
+@redis_options(check=True)
 @serving_options
-@redis_options
 def pool(settings: Settings, plan: ServePlan) -> None:
     """Run only this node's worker pool for MODEL (for docker-compose; needs a Redis URL).
 

@@ -1,4 +1,9 @@
-"""``packrat-mq status``: what is served, by which instances, with what backlog."""
+"""``packrat-mq status``: what is served, by which instances, with what backlog.
+
+States are shown as the heartbeats allow: a process whose record says
+``ready`` but whose heartbeat is older than three intervals is shown as
+``stale`` (see ``packrat_mq.liveness``), never as ready.
+"""
 from __future__ import annotations
 
 import json
@@ -12,6 +17,7 @@ from packrat_mq.cli.helpers import connect_or_fail, echo_json, redis_options
 from packrat_mq.connection import redact
 from packrat_mq.deployment import Deployment
 from packrat_mq.keys import Keys
+from packrat_mq.liveness import decode_float, effective_state
 from packrat_mq.settings import Settings
 
 
@@ -35,21 +41,25 @@ def collect_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
             "instances": [],
         }
         d = {k.decode(): v.decode() for k, v in r.hgetall(keys.dispatcher(model)).items()}
-        beat = float(d.get("heartbeat") or 0)
+        beat = decode_float(d.get("heartbeat"))
         entry["dispatcher"] = {
-            "state": d.get("state", "none"),
+            "state": effective_state(d.get("state"), beat, decode_float(d.get("interval")), now) if d else "none",
             "pid": int(d["pid"]) if d.get("pid") else None,
             "host": d.get("host"),
             "batches": int(d.get("batches") or 0),
+            "restarts": int(d.get("restarts") or 0),
+            "loop_errors": int(d.get("loop_errors") or 0),
+            "groups_recreated": int(d.get("groups_recreated") or 0),
+            "max_backlog": int(d["max_backlog"]) if d.get("max_backlog") else None,
             "heartbeat_age_s": round(now - beat, 3) if beat else None,
         }
         ids = sorted(i.decode() for i in r.smembers(keys.instances(model)))
         for iid in ids:
             h = {k.decode(): v.decode() for k, v in r.hgetall(keys.instance(model, iid)).items()}
-            beat = float(h.get("heartbeat") or 0)
+            beat = decode_float(h.get("heartbeat"))
             entry["instances"].append({
                 "id": iid,
-                "state": h.get("state", "gone"),
+                "state": effective_state(h.get("state"), beat, decode_float(h.get("interval")), now),
                 "pid": int(h["pid"]) if h.get("pid") else None,
                 "host": h.get("host"),
                 "threads": int(h.get("threads") or 0),
@@ -59,6 +69,8 @@ def collect_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
                 "queue": r.xlen(keys.queue(model, iid)),
                 "batches": int(h.get("batches") or 0),
                 "restarts": int(h.get("restarts") or 0),
+                "loop_errors": int(h.get("loop_errors") or 0),
+                "groups_recreated": int(h.get("groups_recreated") or 0),
                 "heartbeat_age_s": round(now - beat, 3) if beat else None,
             })
         out["models"].append(entry)
@@ -83,19 +95,30 @@ def render(doc: dict[str, Any], prefix: str) -> str:
     lines = []
     for m in doc["models"]:
         rates = m.get("rates")
+        bound = m["dispatcher"].get("max_backlog")
         lines.append(f"{m['model']}: {m['configuration'] or 'no deployment'} (B={m['batch']}, "
-                     f"generation {m['generation']}), backlog {m['backlog']}, "
+                     f"generation {m['generation']}), backlog {m['backlog']}"
+                     + (f" of at most {bound}" if bound else "") + ", "
                      + ", ".join(f"{k} {v}" for k, v in sorted(m["stats"].items()))
                      + (f"; {rates['requests_per_s']:.1f} req/s, {rates['replies_per_s']:.1f} replies/s" if rates else ""))
         d = m["dispatcher"]
         lines.append(f"  {'dispatcher':<24} {d['state']:<10} pid {d['pid'] or '-':<7} batches {d['batches']}  "
+                     f"restarts {d['restarts']}  " + _troubles(d) +
                      f"heartbeat {d['heartbeat_age_s'] if d['heartbeat_age_s'] is not None else '-'} s ago")
         for i in m["instances"]:
             age = i["heartbeat_age_s"]
             lines.append(f"  {i['id']:<24} {i['state']:<10} pid {i['pid'] or '-':<7} {i['threads']}x{i['batch']:<4} "
                          f"cpus {i['cpus']:<10} queue {i['queue']}  batches {i['batches']}  restarts {i['restarts']}  "
-                         f"heartbeat {age if age is not None else '-'} s ago")
+                         + _troubles(i) + f"heartbeat {age if age is not None else '-'} s ago")
     return "\n".join(lines)
+
+
+def _troubles(record: dict[str, Any]) -> str:
+    """Counters of recovered faults, shown only when there were any."""
+    parts = [f"{label} {record[key]}" for key, label in (("loop_errors", "loop errors"),
+                                                          ("groups_recreated", "groups recreated"))
+             if record.get(key)]
+    return "".join(p + "  " for p in parts)
 
 
 @click.command()
