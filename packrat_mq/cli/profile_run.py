@@ -166,6 +166,7 @@ def _enqueue(
     store_dir: str, fresh: bool, job_timeout: int, as_json: bool,
 ) -> None:
     from optimizer.profiling_jobs import enqueue_profile, profile_queue_name, result_name, worker_command
+    from packrat_mq.connection import redact
 
     r, url = connect_or_fail(settings)
     targets = nodes or (socket.gethostname(),)
@@ -180,7 +181,7 @@ def _enqueue(
             jobs.append({
                 "job_id": job.id, "model": options.model, "node": node, "queue": queue,
                 "result_key": settings.keys.profile_result(result_name(options), node),
-                "worker_command": worker_command(queue, url),
+                "worker_command": worker_command(queue, redact(url)),
             })
     if as_json:
         echo_json(jobs)
@@ -190,7 +191,7 @@ def _enqueue(
     for queue, node in sorted({(j["queue"], j["node"]) for j in jobs}):
         click.echo(f"start the profiling worker on {node}, from a checkout with packrat-mq installed "
                    "(keep --serializer: the jobs are JSON, and RQ's default serializer is pickle):")
-        click.echo(f"  {worker_command(queue, url)}")
+        click.echo(f"  {worker_command(queue, redact(url))}")
     click.echo(
         f"results: the profile JSON at {jobs[0]['result_key']} (and the like) in Redis, "
         f"and in {store_dir}/ on the worker's node"
