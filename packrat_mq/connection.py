@@ -8,6 +8,8 @@ server stops when ``up`` exits.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import logging
 import os
@@ -15,6 +17,7 @@ import re
 import tempfile
 from pathlib import Path
 from typing import Any
+from urllib.parse import SplitResult, unquote, unquote_plus, urlsplit
 
 import redis
 
@@ -31,10 +34,162 @@ def discovery_file() -> Path:
     return Path(base) / f"packrat-mq-{os.getuid()}" / "embedded.json"
 
 
+class RedisURLError(ValueError):
+    """A Redis URL that cannot be used as given; the message shows it redacted."""
+
+
+# Query options that may hold a secret (``password``, ``ssl_password``, tokens).
+_SECRET_OPTION = re.compile(r"pass|secret|token|auth", re.IGNORECASE)
+# ``key=value`` in a query; a value runs to the next ``&key=`` (or ``;key=``), so an
+# unencoded ``&`` inside a password is taken as part of it.
+_QUERY_OPTION = re.compile(r"(?P<sep>[?&;])(?P<key>[^=&;?#]*)=(?P<value>.*?)(?=[&;][^&;=]*=|$)", re.DOTALL)
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
+# What may follow the userinfo's ``@``: host[:port], then a path without ``@``,
+# then anything (query, fragment). A unix URL's socket path may hold ``@``.
+_AFTER_USERINFO = re.compile(r"[^@/?#]*(?:/[^@?#]*)?(?:[?#].*)?$", re.DOTALL)
+_AFTER_UNIX_USERINFO = re.compile(r"(?:[^@/?#]*/.*)?$", re.DOTALL)
+
+
+def _userinfo(url: str) -> tuple[str, str, str] | None:
+    """(``scheme://``, userinfo, the rest after its ``@``), or None without userinfo.
+
+    Two readings of the userinfo, and the widest wins: the one redis-py and
+    urllib use (up to the first ``/``, ``?`` or ``#``, then the last ``@``),
+    and the one a person means when the password holds those characters
+    unencoded: the last ``@`` that is followed by something shaped like a
+    host and a path (``redis://user:a/b@c@host:6379/0`` has the password
+    ``a/b@c``). Anything either reading could take for a password is hidden.
+    """
+    m = _SCHEME.match(url)
+    scheme = m.group(0) if m else ""
+    rest = url[len(scheme):]
+    after = _AFTER_UNIX_USERINFO if scheme.lower() == "unix://" else _AFTER_USERINFO
+    end = -1
+    for i in range(len(rest) - 1, -1, -1):
+        if rest[i] == "@" and after.match(rest, i + 1):
+            end = i
+            break
+    netloc = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    end = max(end, netloc.rfind("@"))
+    if end < 0:
+        return None
+    return scheme, rest[:end], rest[end + 1:]
+
+
+def _query_secrets(url: str) -> list[str]:
+    return [m.group("value") for m in _QUERY_OPTION.finditer(url)
+            if _SECRET_OPTION.search(unquote_plus(m.group("key"))) and m.group("value")]
+
+
 def redact(url: str) -> str:
-    """``url`` with any password replaced by ``***``, for messages and logs."""
-    url = re.sub(r"(?<=[?&]password=)[^&]*", "***", url)
-    return re.sub(r"^([a-z]+://[^:/@]*):[^@/]*@", r"\1:***@", url)
+    """``url`` with any password replaced by ``***``, for messages and logs.
+
+    Covers ``user:password@`` in every scheme (a password with unencoded
+    ``/``, ``@``, ``:``, ``#`` or ``?`` included) and ``password=`` (or
+    ``ssl_password=``) anywhere in the query. The user name stays.
+    """
+    parts = _userinfo(url)
+    if parts is not None:
+        scheme, info, rest = parts
+        user, colon, _ = info.partition(":")
+        url = f"{scheme}{user}{':***' if colon else ''}@{rest}"
+
+    def hide(m: re.Match[str]) -> str:
+        if _SECRET_OPTION.search(unquote_plus(m.group("key"))):
+            return f"{m.group('sep')}{m.group('key')}=***"
+        return m.group(0)
+
+    return _QUERY_OPTION.sub(hide, url)
+
+
+def url_secrets(url: str) -> list[str]:
+    """Every string in ``url`` that is, or may be, a password (raw and decoded), longest first."""
+    found: list[str] = []
+    parts = _userinfo(url)
+    if parts is not None:
+        _, info, _ = parts
+        password = info.partition(":")[2]
+        found += [password, unquote(password)]
+        # urllib's own reading, cut at the first "/", "?" or "#": its pieces
+        # can surface in error messages as a host name, port or path.
+        found += [p for p in re.split(r"[/?#@:]", password) if len(p) >= 4]
+    for value in _query_secrets(url):
+        found += [value, unquote_plus(value), unquote(value)]
+    return sorted({s for s in found if len(s) >= 3}, key=len, reverse=True)
+
+
+def scrub(text: str, *urls: str | None) -> str:
+    """``text`` (an error message, say) with ``urls`` redacted and their passwords hidden."""
+    for url in urls:
+        if not url:
+            continue
+        text = text.replace(url, redact(url))
+        for secret in url_secrets(url):
+            text = text.replace(secret, "***")
+    return text
+
+
+@functools.lru_cache(maxsize=None)
+def _connection_options(connection_class: type) -> frozenset[str]:
+    """Keyword arguments a pool of ``connection_class`` takes (URL query options become these)."""
+    names: set[str] = set()
+    for klass in (redis.ConnectionPool, *connection_class.__mro__):
+        if klass is not object and "__init__" in vars(klass):
+            names |= {p.name for p in inspect.signature(klass.__init__).parameters.values()  # type: ignore[misc]
+                      if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return frozenset(names)
+
+
+def check_url(url: str) -> None:
+    """Raise :class:`RedisURLError` unless redis-py can use ``url`` as written.
+
+    Also catches what redis-py would not: a password with an unencoded ``/``,
+    ``?`` or ``#`` (urllib ends the host part there, so the client would
+    connect to the wrong host, or show part of the password as a port), and
+    query options no connection takes (a ``TypeError`` at the first command).
+    """
+    shown = redact(url)
+
+    def bad(reason: str) -> RedisURLError:
+        return RedisURLError(f"invalid Redis URL {shown}: {reason}")
+
+    scheme = url.partition("://")[0].lower() if "://" in url else ""
+    if scheme not in ("redis", "rediss", "unix"):
+        what = f"scheme {scheme!r}" if scheme and _SCHEME.match(url) else "no scheme"
+        raise bad(f"{what}; use redis://, rediss:// (TLS) or unix://")
+    parsed = urlsplit(url)
+    parts = _userinfo(url)
+    netloc_info = parsed.netloc.rpartition("@")[0] if "@" in parsed.netloc else None
+    if parts is not None and parts[1] != netloc_info and not _plausible(parsed):
+        raise bad("the user name or password holds a character that must be percent-encoded "
+                  "('/' as %2F, '?' as %3F, '#' as %23, '@' as %40)")
+    try:
+        options = redis.connection.parse_url(url)
+    except ValueError as exc:
+        message = str(exc)
+        if message.startswith("Port could not be cast"):
+            raise bad("the port is not a number") from None
+        if message.startswith("Port out of range"):
+            raise bad("the port is out of range 0-65535") from None
+        raise bad(scrub(message, url)) from None
+    known = _connection_options(options.pop("connection_class", redis.Connection))
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise bad(scrub("unknown option " + ", ".join(repr(k) for k in unknown), url))
+
+
+def _plausible(parsed: SplitResult) -> bool:
+    """Whether urllib's reading of a URL looks meant, not the result of an unencoded password."""
+    try:
+        parsed.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError:
+        return False
+    if "@" in parsed.path or "@" in parsed.fragment:
+        return False
+    if parsed.scheme.lower() != "unix" and not re.fullmatch(r"/?\d*", parsed.path):
+        return False
+    return all("=" in item and "@" not in item.partition("=")[0]
+               for item in re.split(r"[&;]", parsed.query) if item)
 
 
 def execute_replies(pipe: redis.client.Pipeline, log: logging.Logger, who: str) -> list[Any]:
@@ -52,7 +207,12 @@ def execute_replies(pipe: redis.client.Pipeline, log: logging.Logger, who: str) 
 
 
 def connect(url: str, **kwargs: Any) -> redis.Redis:
-    """A client for ``url`` (redis://, rediss:// with TLS, unix://; user:password allowed)."""
+    """A client for ``url`` (redis://, rediss:// with TLS, unix://; user:password allowed).
+
+    Raises :class:`RedisURLError` (a ``ValueError``) for a URL that cannot be
+    used; connecting happens at the first command.
+    """
+    check_url(url)
     kwargs.setdefault("health_check_interval", 30)
     return redis.Redis.from_url(url, **kwargs)
 
@@ -69,7 +229,7 @@ def discover_url() -> str | None:
         return None
     try:
         connect(url, socket_connect_timeout=0.5).ping()
-    except (redis.RedisError, OSError):
+    except (redis.RedisError, OSError, ValueError):
         return None
     return str(url)
 

@@ -1,14 +1,47 @@
 """The ``packrat-mq`` command line: one click group, a module per command."""
 from __future__ import annotations
 
+import errno
 import importlib
+import os
+from typing import Any
 
 import click
 
 from packrat_mq import __version__
+from packrat_mq.cli.helpers import URL_KEY, describe_failure, is_connection_failure
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class PackratGroup(click.Group):
+    """The command group; a Redis failure escaping any command becomes one line, not a traceback.
+
+    Connection, authentication and TLS failures, unusable URLs and a missing
+    embedded server all end as a ``ClickException`` (exit code 1) that names
+    the URL with its password redacted.
+    """
+
+    def invoke(self, ctx: click.Context) -> Any:
+        args = list(ctx.args)  # the command's own arguments; invoke() empties ctx.args
+        try:
+            return super().invoke(ctx)
+        except Exception as exc:
+            if not is_connection_failure(exc) or getattr(exc, "errno", None) == errno.EPIPE:
+                raise
+            url = ctx.meta.get(URL_KEY) or _url_in_args(args)
+            raise click.ClickException(describe_failure(exc, url)) from None
+
+
+def _url_in_args(args: list[str]) -> str | None:
+    """``--redis-url`` as given to a command that did not record it (``optimize --calibrate``)."""
+    for i, arg in enumerate(args):
+        if arg == "--redis-url" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--redis-url="):
+            return arg.partition("=")[2]
+    return os.environ.get("PACKRAT_REDIS_URL")
+
+
+@click.group(cls=PackratGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="packrat-mq")
 def main() -> None:
     """packrat-mq: Packrat-style CPU inference serving on Redis streams.

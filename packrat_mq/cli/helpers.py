@@ -3,17 +3,32 @@ from __future__ import annotations
 
 import functools
 import json
+import re
+import socket
+import ssl
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import click
+import redis
 
+from packrat_mq.connection import NoRedisError, RedisURLError, connect, redact, resolve_url, scrub
 from packrat_mq.settings import Settings
 
 
-def redis_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Add ``--redis-url`` and ``--prefix``; the command receives ``settings``."""
+def redis_options(func: Callable[..., Any] | None = None, *, check: bool = False,
+                  embedded_ok: bool = False) -> Any:
+    """Add ``--redis-url`` and ``--prefix``; the command receives ``settings``.
+
+    With ``check=True`` the Redis is connected to and PINGed before the
+    command runs (and before the decorators below this one), so a bad URL or
+    no server fails with one line before anything starts; ``embedded_ok``: no
+    URL is fine, the command starts its own server. Use as ``@redis_options``
+    or ``@redis_options(check=True)``.
+    """
+    if func is None:
+        return functools.partial(redis_options, check=check, embedded_ok=embedded_ok)
 
     @click.option(
         "--redis-url",
@@ -29,10 +44,13 @@ def redis_options(func: Callable[..., Any]) -> Callable[..., Any]:
         overrides = {"prefix": prefix}
         if redis_url:
             overrides["redis_url"] = redis_url
+            remember_url(redis_url)
         try:
             settings = Settings(**overrides)
         except ValueError as exc:
-            raise click.ClickException(str(exc)) from None
+            raise click.ClickException(scrub(str(exc), redis_url)) from None
+        if check and (settings.redis_url or not embedded_ok):
+            require_redis(resolve_or_fail(settings))
         return func(*args, settings=settings, **kwargs)
 
     return wrapper
@@ -61,19 +79,113 @@ def err(message: str) -> None:
     click.echo(message, err=True)
 
 
-def connect_or_fail(settings: Settings):  # type: ignore[no-untyped-def]
-    from packrat_mq.connection import NoRedisError, connect, redact, resolve_url
+# Where the URL a command uses is kept (click shares ``meta`` with every nested
+# context), so the group can name it when a Redis error escapes a command.
+URL_KEY = "packrat_mq.redis_url"
 
+
+def remember_url(url: str) -> None:
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:
+        ctx.meta[URL_KEY] = url
+
+
+def connect_or_fail(settings: Settings) -> tuple[redis.Redis, str]:
+    """A client for the configured Redis (else the embedded server), PINGed; one clear line if not."""
+    url = resolve_or_fail(settings)
+    require_redis(url)
+    return connect(url), url
+
+
+def resolve_or_fail(settings: Settings) -> str:
+    """The configured URL, else a running embedded server's; one clear line if neither."""
     try:
-        url = resolve_url(settings)
+        return resolve_url(settings)
     except NoRedisError as exc:
         raise click.ClickException(str(exc)) from None
-    r = connect(url)
+
+
+def require_redis(url: str, timeout_s: float = 5.0) -> None:
+    """Connect to ``url`` and PING it, or raise a one-line ``ClickException`` saying why not."""
+    remember_url(url)
     try:
-        r.ping()
-    except Exception as exc:  # noqa: BLE001 - any failure here is "cannot reach Redis"
-        raise click.ClickException(f"cannot reach Redis at {redact(url)}: {exc}") from None
-    return r, url
+        probe = connect(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+        try:
+            probe.ping()
+        finally:
+            probe.close()
+    except (redis.RedisError, OSError, RedisURLError) as exc:
+        raise click.ClickException(describe_failure(exc, url)) from None
+
+
+def describe_failure(exc: BaseException, url: str | None) -> str:
+    """One line saying why talking to Redis at ``url`` failed; the password never shows."""
+    if isinstance(exc, (RedisURLError, NoRedisError)):
+        return scrub(str(exc), url)
+    shown = redact(url) if url else "the server"
+    detail = _detail(exc, url)
+    if isinstance(exc, redis.exceptions.NoPermissionError):
+        return f"the Redis user of {shown} lacks a permission packrat-mq needs ({detail})"
+    if isinstance(exc, redis.AuthenticationError) or _code(exc) in ("WRONGPASS", "NOAUTH"):
+        if _code(exc) == "NOAUTH":
+            return (f"Redis at {shown} wants a password: give it in the URL "
+                    f"(redis://:PASSWORD@host:port/db or ?password=...) ({detail})")
+        if "no password is set" in detail or "without any password configured" in detail:
+            return f"Redis at {shown} has no password set, but the URL gives one ({detail})"
+        return f"Redis refused the password for {shown} ({detail})"
+    if _is_tls(exc):
+        return f"TLS with Redis at {shown} failed: {detail}"
+    if isinstance(exc, (redis.TimeoutError, TimeoutError)):
+        # A plain server on a rediss:// port never answers the TLS handshake.
+        hint = " (is the server speaking TLS on that port?)" if (url or "").lower().startswith("rediss:") else ""
+        return f"Redis at {shown} did not answer in time: {detail}{hint}"
+    if isinstance(exc, (redis.ConnectionError, OSError)):
+        return f"cannot reach Redis at {shown}: {detail}"
+    if isinstance(exc, redis.exceptions.InvalidResponse):
+        return f"the server at {shown} does not answer like Redis ({detail})"
+    return f"Redis error at {shown}: {detail}"
+
+
+def is_connection_failure(exc: BaseException) -> bool:
+    """Errors :func:`describe_failure` explains in one line.
+
+    Not other ``OSError`` (a missing file is not about Redis), nor redis-py's
+    ``DataError``, raised before anything is sent for an argument of the wrong
+    type: that is a bug, and its traceback is what finds it.
+    """
+    if isinstance(exc, OSError):
+        return isinstance(exc, (ConnectionError, TimeoutError, socket.gaierror, socket.herror, ssl.SSLError))
+    if isinstance(exc, redis.DataError):
+        return False
+    return isinstance(exc, (redis.RedisError, RedisURLError, NoRedisError))
+
+
+def _code(exc: BaseException) -> str:
+    return getattr(exc, "status_code", None) or ""
+
+
+def _is_tls(exc: BaseException) -> bool:
+    seen: BaseException | None = exc
+    for _ in range(8):  # the cause chain, not a cycle
+        if seen is None:
+            return False
+        if isinstance(seen, (ssl.SSLError, ssl.CertificateError)) or "SSL" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+# redis-py's "Error 111 connecting to host:port. Connection refused." repeats
+# the address the message already names (and may hold a mangled URL's parts).
+_CONNECTING = re.compile(r"^Error -?\d+ connecting to .*?\.\s+(?=\S)", re.DOTALL)
+
+
+def _detail(exc: BaseException, url: str | None) -> str:
+    text = _CONNECTING.sub("", str(exc)).strip().rstrip(".") or type(exc).__name__
+    code = _code(exc)
+    if code and not text.startswith(code):
+        text = f"{code} {text}"
+    return " ".join(scrub(text, url).split())
 
 
 def is_tty() -> bool:

@@ -144,7 +144,7 @@ def _run(settings: Settings, url: str, plan: ServePlan, *, with_dispatcher: bool
 
 
 @click.command()
-@redis_options(check=True)  # outermost: a bad URL fails before the optimizer or anything else runs
+@redis_options(check=True, embedded_ok=True)  # outermost: a bad URL fails before anything runs
 @serving_options
 @click.option("--batch-timeout-ms", type=click.FloatRange(min=0), default=None,
               help="Send a partial batch this long after its first request.")
