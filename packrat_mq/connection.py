@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import inspect
 import json
-import logging
 import os
 import re
 import tempfile
@@ -190,20 +189,6 @@ def _plausible(parsed: SplitResult) -> bool:
         return False
     return all("=" in item and "@" not in item.partition("=")[0]
                for item in re.split(r"[&;]", parsed.query) if item)
-
-
-def execute_replies(pipe: redis.client.Pipeline, log: logging.Logger, who: str) -> list[Any]:
-    """EXEC a transaction that writes replies, logging commands that failed.
-
-    EXEC runs every queued command even when one fails (a producer's
-    ``reply_to`` naming a key of another type); that reply is lost, the rest
-    of the transaction (acks, other replies) is applied, and the process lives.
-    """
-    results = pipe.execute(raise_on_error=False)
-    for res in results:
-        if isinstance(res, redis.ResponseError):
-            log.warning("%s: a reply could not be written: %s", who, res)
-    return results
 
 
 def connect(url: str, **kwargs: Any) -> redis.Redis:
