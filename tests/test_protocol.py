@@ -148,10 +148,6 @@ def test_expired_deadline(late: int) -> None:
     assert f"{late} ms late" in str(exc)
 
 
-def test_rejection_is_a_value_error() -> None:
-    assert issubclass(RequestRejected, ValueError)
-
-
 # --- decode_payload -------------------------------------------------------
 def test_decode_json() -> None:
     assert protocol.decode_payload(protocol.JSON, b'{"a": [1, 2.5, "x"]}') == {"a": [1, 2.5, "x"]}

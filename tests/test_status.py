@@ -54,7 +54,7 @@ def test_rates_between_frames(r: redis.Redis, settings: Settings) -> None:
 
 def test_json_once(r: redis.Redis, settings: Settings, redis_url: str) -> None:
     _serve(r, settings)
-    res = CliRunner().invoke(main, ["status", "--json", "--redis-url", redis_url])
+    res = CliRunner().invoke(main, ["status", "--json", "--redis-url", redis_url, "--prefix", settings.prefix])
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["models"][0]["model"] == "m1"
 
@@ -62,7 +62,7 @@ def test_json_once(r: redis.Redis, settings: Settings, redis_url: str) -> None:
 def test_watch_streams_json_lines_until_ctrl_c(r: redis.Redis, settings: Settings, redis_url: str) -> None:
     _serve(r, settings)
     proc = subprocess.Popen([sys.executable, "-m", "packrat_mq", "status", "--json", "--watch", "0.2",
-                             "--redis-url", redis_url], stdout=subprocess.PIPE, text=True)
+                             "--redis-url", redis_url, "--prefix", settings.prefix], stdout=subprocess.PIPE, text=True)
     try:
         lines = [json.loads(proc.stdout.readline()) for _ in range(2)]  # type: ignore[union-attr]
     finally:

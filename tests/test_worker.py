@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import sys
 import threading
 import time
 from typing import Any
@@ -19,7 +20,13 @@ from packrat_mq.zoo.testing import EchoHandler, SleepHandler
 from workers.worker import Worker, WorkerSpec, build_context
 
 MODEL = "m"
-REPLY = "packrat:replies:c1"
+#: The reply stream of this test's requests, under its own key prefix (set below).
+REPLY = ""
+
+
+@pytest.fixture(autouse=True)
+def _reply_stream(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys.modules[__name__], "REPLY", settings.keys.replies("c1"))
 
 
 class Counting(EchoHandler):
@@ -52,13 +59,14 @@ def make_worker(
     return w
 
 
-def request(i: int, value: Any = None, *, reply_to: str = REPLY, deadline_ms: int | None = None,
+def request(i: int, value: Any = None, *, reply_to: str | None = None, deadline_ms: int | None = None,
             payload: bytes | None = None, content_type: str | None = None) -> protocol.Request:
+    """A request that has waited 3 ms in the request stream (``enqueued_ms`` is now - 3)."""
     if payload is None:
         payload, content_type = protocol.encode_payload({"i": i} if value is None else value)
     now = int(time.time() * 1000)
     return protocol.Request(
-        id=f"req-{i}", reply_to=reply_to, payload=payload, content_type=content_type or protocol.JSON,
+        id=f"req-{i}", reply_to=reply_to or REPLY, payload=payload, content_type=content_type or protocol.JSON,
         enqueued_ms=now - 3, deadline_ms=deadline_ms, stream_id=f"{now}-{i}",
     )
 
@@ -75,8 +83,8 @@ def step(w: Worker) -> int:
     return len(entries)
 
 
-def replies(r: redis.Redis, stream: str = REPLY) -> list[dict[bytes, bytes]]:
-    return [f for _, f in r.xrange(stream)]
+def replies(r: redis.Redis, stream: str | None = None) -> list[dict[bytes, bytes]]:
+    return [f for _, f in r.xrange(stream or REPLY)]
 
 
 def text(f: dict[bytes, bytes], name: str) -> str:
@@ -101,14 +109,20 @@ def test_replies_for_every_request(r: redis.Redis, settings: Settings) -> None:
         request(3, payload=b"\x00\xff", content_type=protocol.BYTES),
     ]
     push(r, w, reqs)
+    before_ms = time.time() * 1000.0
     assert step(w) == 1
+    after_ms = time.time() * 1000.0
 
     got = replies(r)
     assert [text(f, "id") for f in got] == ["req-0", "req-1", "req-2", "req-3"]
+    # queue_ms runs from the request's enqueue time (3 ms before it was made)
+    # to the start of its batch; inference_ms is the batch's, shared by its replies.
+    waited_ms = [float(text(f, "queue_ms")) for f in got]
+    assert all(3.0 - 1e-3 <= q <= after_ms - reqs[0].enqueued_ms + 1e-3 for q in waited_ms), waited_ms
+    (inference_ms,) = {float(text(f, "inference_ms")) for f in got}
+    assert 0.0 < inference_ms <= after_ms - before_ms
     for f in got:
         assert text(f, "status") == protocol.OK and text(f, "error") == ""
-        assert float(text(f, "queue_ms")) >= 0.0
-        assert float(text(f, "inference_ms")) >= 0.0
         assert text(f, "batch_size") == "4"
         assert text(f, "instance") == "i0" and text(f, "model") == MODEL
     values = [protocol.decode_payload(text(f, "content_type"), f[b"payload"]) for f in got]
@@ -129,10 +143,11 @@ def test_replies_for_every_request(r: redis.Redis, settings: Settings) -> None:
 
 def test_replies_go_to_each_producers_stream(r: redis.Redis, settings: Settings) -> None:
     w = make_worker(r, settings)
-    push(r, w, [request(0, reply_to="a"), request(1, reply_to="b"), request(2, reply_to="a")])
+    a, b = settings.keys.replies("a"), settings.keys.replies("b")
+    push(r, w, [request(0, reply_to=a), request(1, reply_to=b), request(2, reply_to=a)])
     step(w)
-    assert [text(f, "id") for f in replies(r, "a")] == ["req-0", "req-2"]
-    assert [text(f, "id") for f in replies(r, "b")] == ["req-1"]
+    assert [text(f, "id") for f in replies(r, a)] == ["req-0", "req-2"]
+    assert [text(f, "id") for f in replies(r, b)] == ["req-1"]
 
 
 def test_wakeup_list_is_capped(r: redis.Redis, settings: Settings) -> None:
@@ -187,10 +202,11 @@ def test_all_expired_model_not_run(r: redis.Redis, settings: Settings) -> None:
 
 def test_validate_rejection_and_unencodable_output(r: redis.Redis, settings: Settings) -> None:
     sleep = make_worker(r, settings, SleepHandler(), instance_id="s0", options={"base_ms": 0})
-    push(r, sleep, [request(0, {"sleep_ms": 1}), request(1, {"sleep_ms": "soon"})])
+    push(r, sleep, [request(0, {"sleep_ms": 5}), request(1, {"sleep_ms": "soon"})])
     step(sleep)
     got = {text(f, "id"): f for f in replies(r)}
     assert text(got["req-0"], "status") == protocol.OK
+    assert float(text(got["req-0"], "inference_ms")) >= 5.0, "the batch slept 5 ms"
     assert "sleep_ms must be a number" in text(got["req-1"], "error")
 
     r.delete(REPLY)
@@ -214,11 +230,12 @@ def test_unreadable_sub_batch_is_dropped(r: redis.Redis, settings: Settings) -> 
 
 def test_reply_to_of_wrong_type_does_not_kill_the_worker(r: redis.Redis, settings: Settings) -> None:
     w = make_worker(r, settings)
-    r.set("not-a-stream", "v")
-    push(r, w, [request(0, reply_to="not-a-stream"), request(1)])
+    not_a_stream = settings.keys.replies("not-a-stream")  # a string, not a stream
+    r.set(not_a_stream, "v")
+    push(r, w, [request(0, reply_to=not_a_stream), request(1)])
     step(w)
     assert [text(f, "id") for f in replies(r)] == ["req-1"]
-    assert r.get("not-a-stream") == b"v"
+    assert r.get(not_a_stream) == b"v"
     assert_queue_clean(r, w)
 
 
