@@ -196,9 +196,18 @@ def connect(url: str, **kwargs: Any) -> redis.Redis:
 
     Raises :class:`RedisURLError` (a ``ValueError``) for a URL that cannot be
     used; connecting happens at the first command.
+
+    The client never retries a command by itself: a Redis that dies mid-EXEC
+    may have applied the transaction without answering, and a retried
+    fan-out or finish would deliver requests twice. Every loop retries at its
+    own level instead, re-reading its pending entries first.
     """
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
     check_url(url)
     kwargs.setdefault("health_check_interval", 30)
+    kwargs.setdefault("retry", Retry(NoBackoff(), 0))
     return redis.Redis.from_url(url, **kwargs)
 
 
