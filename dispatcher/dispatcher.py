@@ -42,8 +42,9 @@ from packrat_mq.backoff import Backoff
 from packrat_mq.deployment import Deployment, InstanceRecord
 from packrat_mq.keys import DISPATCHER_GROUP, check_model_name
 from packrat_mq.liveness import decode_float, effective_state
+from packrat_mq.recovery import recover
 from packrat_mq.settings import Settings
-from packrat_mq.streams import ensure_group, is_nogroup
+from packrat_mq.streams import ensure_group
 
 log = logging.getLogger("packrat_mq.dispatcher")
 
@@ -251,29 +252,13 @@ class Dispatcher:
             log.warning("could not record the stop: %s", exc)
 
     def _recover(self, exc: Exception) -> None:
-        """After a failed iteration: recreate a lost group, or back off; then re-read pending entries."""
+        """After a failed iteration: see :func:`packrat_mq.recovery.recover`; then re-read pending entries."""
         # Entries read before the failure may be pending, not dispatched.
         self._recovering = True
         self._recover_from = "0"
-        if is_nogroup(exc):
-            log.warning("request stream %s lost its consumer group (Redis restarted or flushed); recreating it",
-                        self.stream)
-            try:
-                ensure_group(self.r, self.stream, DISPATCHER_GROUP)
-                self.heartbeat(self._state)
-                self.r.hincrby(self.keys.dispatcher(self.model), "groups_recreated", 1)
-                return
-            except redis.RedisError as again:
-                exc = again
-        delay = self.backoff.failure()
-        if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
-            log.warning("redis unreachable (%s); retrying in %.2f s", exc, delay)
-        else:
-            log.exception("dispatcher for %s: loop iteration failed; retrying in %.2f s", self.model, delay)
-            try:
-                self.r.hincrby(self.keys.dispatcher(self.model), "loop_errors", 1)
-            except redis.RedisError:
-                pass
+        delay = recover(self.r, exc, stream=self.stream, group=DISPATCHER_GROUP,
+                        record_key=self.keys.dispatcher(self.model), rewrite_record=lambda: self.heartbeat(self._state),
+                        backoff=self.backoff, who=f"dispatcher for {self.model}", log=log)
         end = time.monotonic() + delay
         while not self._stopping and time.monotonic() < end:
             time.sleep(min(0.05, max(0.0, end - time.monotonic())))

@@ -28,7 +28,7 @@ import redis
 from packrat_mq.backoff import Backoff
 from packrat_mq.instances import Configuration
 from packrat_mq.settings import Settings
-from workers.pool import Pool, restart_backoff, spawn
+from workers.pool import Pool, mark, restart_backoff, spawn
 
 log = logging.getLogger("packrat_mq.service")
 
@@ -118,14 +118,7 @@ class Service:
         self.pool.republish_if_lost()
 
     def _mark_dispatcher(self, state: str | None, restarts: int = 0) -> None:
-        key = self.settings.keys.dispatcher(self.model)
-        try:
-            if state is not None:
-                self.r.hset(key, "state", state)
-            if restarts:
-                self.r.hincrby(key, "restarts", restarts)
-        except redis.RedisError as exc:
-            log.warning("could not record the dispatcher's %s in Redis: %s", state or "restart", exc)
+        mark(self.r, self.settings.keys.dispatcher(self.model), state=state, restarts=restarts)
 
     def parent_gone(self) -> bool:
         return self.parent_pid is not None and os.getppid() != self.parent_pid

@@ -58,6 +58,22 @@ def restart_backoff() -> Backoff:
     return Backoff(base=1.0, factor=2.0, cap=30.0, healthy_s=30.0, first_immediate=True)
 
 
+def mark(r: redis.Redis, key: str, *, state: str | None = None, restarts: int = 0) -> None:
+    """Best-effort write of a supervised process's state or restart to its hash.
+
+    Redis may be down while the supervisor restarts something: the write is
+    logged and dropped (the process rewrites its record when it heartbeats),
+    never allowed to end supervision.
+    """
+    try:
+        if state is not None:
+            r.hset(key, "state", state)
+        if restarts:
+            r.hincrby(key, "restarts", restarts)
+    except redis.RedisError as exc:
+        log.warning("could not record %s in %s: %s", state or "a restart", key, exc)
+
+
 def spawn(module: str, spec_json: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """Start ``python -m module`` with its spec on stdin (never in argv: it holds the Redis password)."""
     proc = subprocess.Popen(
@@ -236,15 +252,7 @@ class Pool:
         return restarted
 
     def _record(self, inst: Instance, *, state: str | None = None, restarts: int = 0) -> None:
-        """Best-effort write to an instance's hash: Redis may be down, supervision goes on."""
-        key = self.keys.instance(self.model, inst.record.id)
-        try:
-            if state is not None:
-                self.r.hset(key, "state", state)
-            if restarts:
-                self.r.hincrby(key, "restarts", restarts)
-        except redis.RedisError as exc:
-            log.warning("could not record %s of %s in Redis: %s", state or "a restart", inst.record.id, exc)
+        mark(self.r, self.keys.instance(self.model, inst.record.id), state=state, restarts=restarts)
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM every instance (each finishes its batch), SIGKILL stragglers."""

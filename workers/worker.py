@@ -37,7 +37,7 @@ from packrat_mq.backoff import Backoff
 from packrat_mq.handler import BaseHandler, Context, Input, Outcome, load_handler, run_batch
 from packrat_mq.keys import WORKER_GROUP
 from packrat_mq.settings import Settings
-from packrat_mq.streams import ensure_group, is_nogroup
+from packrat_mq.recovery import recover
 
 log = logging.getLogger("packrat_mq.worker")
 
@@ -130,12 +130,6 @@ class Worker:
             except Exception as exc:  # noqa: BLE001 - a missed beat is retried next interval
                 log.debug("heartbeat failed: %s", exc)
 
-    def _count(self, field: str) -> None:
-        try:
-            self.r.hincrby(self.instance_key, field, 1)
-        except redis.RedisError:
-            pass
-
     # --- loop -------------------------------------------------------------
     def read(self, block_ms: int = 1000) -> list[tuple[bytes, dict[bytes, bytes]]]:
         if self._recovering:
@@ -177,25 +171,12 @@ class Worker:
         return len(entries)
 
     def _recover(self, exc: Exception) -> None:
-        """After a failed iteration: recreate a lost group, or wait (backing off) and re-read pending work."""
+        """After a failed iteration: see :func:`packrat_mq.recovery.recover`; then re-read pending work."""
         # A sub-batch read before the failure may still be pending here.
         self._recovering = True
-        if is_nogroup(exc):
-            log.warning("instance %s: queue %s lost its consumer group (Redis restarted or flushed); recreating it",
-                        self.spec.instance_id, self.queue)
-            try:
-                ensure_group(self.r, self.queue, WORKER_GROUP)
-                self.register(self._state)
-                self._count("groups_recreated")
-                return
-            except redis.RedisError as again:
-                exc = again
-        delay = self.backoff.failure()
-        if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
-            log.warning("redis unreachable (%s); retrying in %.2f s", exc, delay)
-        else:
-            log.exception("instance %s: loop iteration failed; retrying in %.2f s", self.spec.instance_id, delay)
-            self._count("loop_errors")
+        delay = recover(self.r, exc, stream=self.queue, group=WORKER_GROUP, record_key=self.instance_key,
+                        rewrite_record=lambda: self.register(self._state), backoff=self.backoff,
+                        who=f"instance {self.spec.instance_id}", log=log)
         self._stopping.wait(delay)
 
     def _deliveries(self, entry_id: bytes) -> int:
