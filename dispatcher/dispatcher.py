@@ -99,8 +99,6 @@ class Dispatcher:
         self._last_beat = 0.0
         self._state = "starting"
         self.backoff = Backoff()
-        #: The instances the last readiness check found alive (a subset of the deployment's).
-        self.live: list[InstanceRecord] = []
         self.aggregator: Aggregator[Entry] = Aggregator(self._read)
 
     # --- setup ----------------------------------------------------------
@@ -171,9 +169,11 @@ class Dispatcher:
         return self.deployment
 
     def _ready(self) -> tuple[Deployment | None, bool]:
-        """(the deployment if every live instance can take a sub-batch now, whether it just changed).
+        """(the deployment to serve the next batch with, whether the deployment just changed).
 
-        Also sets :attr:`live`, and sheds load when the backlog is over its bound.
+        The deployment comes back only when every live instance can take a
+        sub-batch now, restricted to its live instances when some are gone.
+        Sheds load when the backlog is over its bound.
         """
         pipe = self.r.pipeline(transaction=False)
         pipe.get(self.keys.config(self.model))
@@ -203,10 +203,12 @@ class Dispatcher:
             # No record at all: nothing says it is gone; flow control still bounds its queue.
             live.append(inst)
             full = full or length > self.max_waiting
-        self.live = live
-        if live and not full:
-            return current, False
-        return None, False
+        if not live or full:
+            return None, False
+        if len(live) < len(instances):
+            # Serve with the live instances only, and only as many requests as they take.
+            return current.model_copy(update={"instances": live}), False
+        return current, False
 
     # --- the loop -------------------------------------------------------
     def run_once(self, idle_block_ms: int = 500) -> int:
@@ -219,9 +221,6 @@ class Dispatcher:
                 self.r.blpop([self.keys.wakeup(self.model)], timeout=0.1)
             return 0
         self._recover_from = "0"  # the previous batch is acked: nothing handed out is pending
-        if len(self.live) < len(deployment.instances):
-            # Serve with the live instances only, and only as many requests as they take.
-            deployment = deployment.model_copy(update={"instances": self.live})
         entries = self.aggregator.next_batch(
             deployment.batch, self.settings.batch_timeout_ms, idle_block_ms=idle_block_ms
         )
@@ -283,16 +282,14 @@ class Dispatcher:
         pairs = []
         unanswerable = 0
         for sid, fields in entries:
-            request_id = (fields.get(b"id") or b"")[: protocol.MAX_ID_LEN].decode("utf-8", "replace")
-            reply_to = _usable_reply_to(fields, self.settings.prefix)
+            reply_to = protocol.answerable_reply_to(fields, self.settings.prefix)
             if reply_to is None:
                 unanswerable += 1
                 continue
-            pairs.append((reply_to, protocol.error_reply(request_id, message, model=self.model)))
+            pairs.append((reply_to, protocol.error_reply(protocol.entry_request_id(fields), message, model=self.model)))
         pipe = self.r.pipeline(transaction=True)
         stats_key = self.keys.stats(self.model)
-        for reply_to, group in replies.group_by_stream(pairs).items():
-            replies.queue_replies(pipe, reply_to, group, ttl_s=self.settings.reply_ttl_s, stats_key=stats_key)
+        replies.queue(pipe, pairs, ttl_s=self.settings.reply_ttl_s, stats_key=stats_key)
         pipe.xdel(self.stream, *(sid for sid, _ in entries))
         pipe.hincrby(stats_key, "requests", len(entries))
         pipe.hincrby(stats_key, "overloaded", len(entries))
@@ -339,8 +336,7 @@ class Dispatcher:
                 log.warning("model %s: dropped request %r that cannot be answered: %s", self.model, exc.request_id, exc)
                 continue
             pairs.append((exc.reply_to, protocol.error_reply(exc.request_id, str(exc), model=self.model)))
-        for reply_to, group in replies.group_by_stream(pairs).items():
-            replies.queue_replies(pipe, reply_to, group, ttl_s=self.settings.reply_ttl_s, stats_key=stats_key)
+        replies.queue(pipe, pairs, ttl_s=self.settings.reply_ttl_s, stats_key=stats_key)
         start = 0
         for inst, n in zip(instances, counts):
             if n == 0:
@@ -364,18 +360,6 @@ class Dispatcher:
         self.stats.rejected += len(rejected)
         self.stats.unanswerable += unanswerable
         self.stats.sizes[len(accepted)] = self.stats.sizes.get(len(accepted), 0) + 1
-
-
-def _usable_reply_to(fields: dict[bytes, bytes], prefix: str) -> str | None:
-    """The entry's ``reply_to`` if a reply may be written there."""
-    raw = fields.get(b"reply_to")
-    try:
-        reply_to = raw.decode("utf-8") if raw is not None else None
-    except UnicodeDecodeError:
-        return None
-    if reply_to is None or protocol.reply_to_problem(reply_to, prefix):
-        return None
-    return reply_to
 
 
 def run_dispatcher(

@@ -59,18 +59,14 @@ def _answer(r: redis.Redis, settings: Settings, key: bytes, model: str, served: 
     message = f"unknown model {model!r}; served models: {known}"
     pairs = []
     for sid, fields in entries:
-        rid = (fields.get(b"id") or b"")[: protocol.MAX_ID_LEN].decode("utf-8", "replace")
-        try:
-            reply_to = (fields.get(b"reply_to") or b"").decode("utf-8")
-        except UnicodeDecodeError:
-            reply_to = ""
-        if reply_to and not protocol.reply_to_problem(reply_to, settings.prefix):
+        rid = protocol.entry_request_id(fields)
+        reply_to = protocol.answerable_reply_to(fields, settings.prefix)
+        if reply_to is not None:
             pairs.append((reply_to, protocol.error_reply(rid, message)))
         else:
             log.warning("dropped request %r for unknown model %r that cannot be answered", rid, model)
     pipe = r.pipeline(transaction=True)
-    for reply_to, group in replies.group_by_stream(pairs).items():
-        replies.queue_replies(pipe, reply_to, group, ttl_s=settings.reply_ttl_s)
+    replies.queue(pipe, pairs, ttl_s=settings.reply_ttl_s)
     pipe.xdel(key, *(sid for sid, _ in entries))
     replies.execute(pipe, f"unknown model {model!r}")
     return len(entries)

@@ -94,6 +94,19 @@ def reply_to_problem(reply_to: str, prefix: str) -> str | None:
     return None
 
 
+def entry_request_id(fields: dict[bytes, bytes]) -> str:
+    """The entry's id as text for a reply, whatever its bytes (undecodable ones replaced)."""
+    return (fields.get(b"id") or b"")[:MAX_ID_LEN].decode("utf-8", "replace")
+
+
+def answerable_reply_to(fields: dict[bytes, bytes], prefix: str) -> str | None:
+    """The entry's ``reply_to`` if a reply may be written there, else ``None``."""
+    reply_to = _text(fields, b"reply_to")
+    if reply_to is None or reply_to_problem(reply_to, prefix):
+        return None
+    return reply_to
+
+
 def parse_request(
     stream_id: bytes,
     fields: dict[bytes, bytes],
@@ -107,10 +120,8 @@ def parse_request(
     ``reply_to`` is set on the exception whenever the request can be answered,
     which is whenever its ``reply_to`` is UTF-8 and outside the service's keys.
     """
-    raw_id = fields.get(b"id")
-    request_id = _text(fields, b"id") or ""
-    if raw_id and not request_id:
-        request_id = raw_id[:MAX_ID_LEN].decode("utf-8", "replace")
+    text_id = _text(fields, b"id")
+    request_id = text_id if text_id is not None else entry_request_id(fields)
     raw_reply_to = fields.get(b"reply_to")
     reply_to = _text(fields, b"reply_to")
     if raw_reply_to is None:
@@ -120,7 +131,7 @@ def parse_request(
     problem = reply_to_problem(reply_to, prefix)
     if problem:
         raise RequestRejected(problem, request_id=request_id)
-    if raw_id is not None and raw_id and _text(fields, b"id") is None:
+    if fields.get(b"id") and text_id is None:
         raise RequestRejected("id is not UTF-8 text", request_id=request_id, reply_to=reply_to)
     if not request_id:
         raise RequestRejected(

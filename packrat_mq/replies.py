@@ -12,7 +12,7 @@ stays atomic with the acks) that makes writing to a hostile name harmless:
   never schedule the deletion of a key the service did not create.
 
 Names inside the deployment's own namespace are refused earlier, by
-:func:`packrat_mq.protocol.check_reply_to`, before anything is written.
+:func:`packrat_mq.protocol.reply_to_problem`, before anything is written.
 """
 from __future__ import annotations
 
@@ -62,40 +62,33 @@ end
 return n
 """
 
-def queue_replies(
+def queue(
     pipe: redis.client.Pipeline,
-    reply_to: str,
-    replies: Iterable[Mapping[str, Any]],
+    pairs: Iterable[tuple[str, Mapping[str, Any]]],
     *,
     ttl_s: int,
     stats_key: str | None = None,
-) -> None:
-    """Queue the delivery of ``replies`` (reply field mappings) to one ``reply_to`` on ``pipe``.
+) -> dict[str, list[Mapping[str, Any]]]:
+    """Queue the delivery of ``(reply_to, fields)`` pairs on ``pipe``: one script call per stream.
 
-    The script runs inside the pipeline's transaction; its result is the
-    number written, or -1 when ``reply_to`` is a key of another type.
+    The scripts run inside the pipeline's transaction, queued in the order of
+    the returned mapping (reply_to -> its replies); each script's result is
+    the number written, or -1 when ``reply_to`` is a key of another type.
     """
-    args: list[Any] = [ttl_s, 0]
-    errors = 0
-    for fields in replies:
-        args.append(2 * len(fields))
-        for name, value in fields.items():
-            args.extend((name, value))
-        if fields.get("status") == "error":
-            errors += 1
-    args[1] = errors
-    keys = [reply_to] if stats_key is None else [reply_to, stats_key]
-    # EVAL, not EVALSHA: the server caches the compiled script by its hash,
-    # and a pipeline holding scripts would add a SCRIPT EXISTS round trip.
-    pipe.eval(_DELIVER, len(keys), *keys, *args)
-
-
-def group_by_stream(pairs: Iterable[tuple[str, Mapping[str, Any]]]) -> dict[str, list[Mapping[str, Any]]]:
-    """``(reply_to, fields)`` pairs grouped per reply stream, order kept."""
-    out: dict[str, list[Mapping[str, Any]]] = {}
+    grouped: dict[str, list[Mapping[str, Any]]] = {}
     for reply_to, fields in pairs:
-        out.setdefault(reply_to, []).append(fields)
-    return out
+        grouped.setdefault(reply_to, []).append(fields)
+    for reply_to, group in grouped.items():
+        args: list[Any] = [ttl_s, sum(f.get("status") == "error" for f in group)]
+        for fields in group:
+            args.append(2 * len(fields))
+            for name, value in fields.items():
+                args.extend((name, value))
+        keys = [reply_to] if stats_key is None else [reply_to, stats_key]
+        # EVAL, not EVALSHA: the server caches the compiled script by its hash,
+        # and a pipeline holding scripts would add a SCRIPT EXISTS round trip.
+        pipe.eval(_DELIVER, len(keys), *keys, *args)
+    return grouped
 
 
 def execute(pipe: redis.client.Pipeline, who: str) -> list[Any]:

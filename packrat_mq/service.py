@@ -28,7 +28,7 @@ import redis
 from packrat_mq.backoff import Backoff
 from packrat_mq.instances import Configuration
 from packrat_mq.settings import Settings
-from workers.pool import Pool, mark, restart_backoff, spawn
+from workers.pool import Pool, Restarter, mark, spawn
 
 log = logging.getLogger("packrat_mq.service")
 
@@ -60,8 +60,7 @@ class Service:
         self.with_dispatcher = with_dispatcher  # False: the pool alone (docker-compose runs the dispatcher)
         self.dispatcher: subprocess.Popen[bytes] | None = None
         self.dispatcher_restarts = 0
-        self._dispatcher_backoff = restart_backoff()
-        self._dispatcher_next_start = 0.0
+        self._dispatcher_restart = Restarter()
         #: The parent to outlive by no more than a poll, when asked to.
         self.parent_pid = os.getppid() if exit_with_parent else None
         self.loop_errors = 0
@@ -99,26 +98,13 @@ class Service:
     def check(self) -> None:
         """Restart whatever died (instances, dispatcher); never blocks."""
         self.pool.check()
-        proc = self.dispatcher
-        if proc is not None and proc.poll() is not None:
-            now = time.monotonic()
-            if self._dispatcher_next_start == 0.0:
-                delay = self._dispatcher_backoff.failure()
-                self._dispatcher_next_start = now + delay
-                log.warning("dispatcher exited with code %s; restarting in %.0f s", proc.returncode, delay)
-                self._mark_dispatcher("restarting")
-            if now >= self._dispatcher_next_start:
-                self._dispatcher_next_start = 0.0
-                self.dispatcher_restarts += 1
-                self._start_dispatcher()
-                self._mark_dispatcher(None, restarts=1)
-        elif proc is not None:
-            self._dispatcher_backoff.success()
+        key = self.settings.keys.dispatcher(self.model)
+        if self._dispatcher_restart.due(self.dispatcher, name="dispatcher", r=self.r, key=key):
+            self.dispatcher_restarts += 1
+            self._start_dispatcher()
+            mark(self.r, key, restarts=1)
         # After a Redis restart without persistence the deployment is gone.
         self.pool.republish_if_lost()
-
-    def _mark_dispatcher(self, state: str | None, restarts: int = 0) -> None:
-        mark(self.r, self.settings.keys.dispatcher(self.model), state=state, restarts=restarts)
 
     def parent_gone(self) -> bool:
         return self.parent_pid is not None and os.getppid() != self.parent_pid

@@ -48,14 +48,44 @@ class Instance:
     spec: WorkerSpec
     process: subprocess.Popen[bytes] | None = None
     restarts: int = 0
-    #: When a dead instance is started again (monotonic); 0.0 while it runs.
-    next_start: float = 0.0
-    backoff: Backoff = field(default_factory=lambda: restart_backoff())
+    restart: Restarter = field(default_factory=lambda: Restarter())
 
 
 def restart_backoff() -> Backoff:
     """The one restart policy: at once, then 1 s doubling to 30 s; forgotten after 30 s healthy."""
     return Backoff(base=1.0, factor=2.0, cap=30.0, healthy_s=30.0, first_immediate=True)
+
+
+@dataclass
+class Restarter:
+    """When one supervised process (an instance, the dispatcher) is started again.
+
+    The supervisor calls :meth:`due` on every check; it never sleeps: a
+    restart is scheduled with the one restart policy and reported due once
+    its time has come.
+    """
+
+    backoff: Backoff = field(default_factory=restart_backoff)
+    #: When the dead process is started again (monotonic); 0.0 while it runs.
+    next_start: float = 0.0
+
+    def due(self, proc: subprocess.Popen[bytes] | None, *, name: str, r: redis.Redis, key: str) -> bool:
+        """Whether ``proc`` is dead and should be started now (its hash ``key`` says ``restarting`` meanwhile)."""
+        if proc is None:
+            return False
+        if proc.poll() is None:
+            self.backoff.success()
+            return False
+        now = time.monotonic()
+        if self.next_start == 0.0:
+            delay = self.backoff.failure()
+            self.next_start = now + delay
+            log.warning("%s (pid %d) exited with code %s; restarting in %.0f s", name, proc.pid, proc.returncode, delay)
+            mark(r, key, state="restarting")
+        if now < self.next_start:
+            return False
+        self.next_start = 0.0
+        return True
 
 
 def mark(r: redis.Redis, key: str, *, state: str | None = None, restarts: int = 0) -> None:
@@ -228,31 +258,14 @@ class Pool:
         A crash loop backs off (see :func:`restart_backoff`) instead of spinning.
         """
         restarted = []
-        now = time.monotonic()
         for inst in self.instances:
-            proc = inst.process
-            if proc is None or proc.poll() is None:
-                if proc is not None:
-                    inst.backoff.success()
-                continue
-            if inst.next_start == 0.0:
-                delay = inst.backoff.failure()
-                inst.next_start = now + delay
-                log.warning(
-                    "instance %s (pid %d) exited with code %s; restarting in %.0f s",
-                    inst.record.id, proc.pid, proc.returncode, delay,
-                )
-                self._record(inst, state="restarting")
-            if now >= inst.next_start:
+            key = self.keys.instance(self.model, inst.record.id)
+            if inst.restart.due(inst.process, name=f"instance {inst.record.id}", r=self.r, key=key):
                 inst.restarts += 1
-                inst.next_start = 0.0
                 self._spawn(inst)
-                self._record(inst, restarts=1)
+                mark(self.r, key, restarts=1)
                 restarted.append(inst.record.id)
         return restarted
-
-    def _record(self, inst: Instance, *, state: str | None = None, restarts: int = 0) -> None:
-        mark(self.r, self.keys.instance(self.model, inst.record.id), state=state, restarts=restarts)
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM every instance (each finishes its batch), SIGKILL stragglers."""

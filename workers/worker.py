@@ -163,8 +163,10 @@ class Worker:
             log.warning("could not record the stop: %s", exc)
 
     def run_once(self, block_ms: int = 1000) -> int:
-        """Read and serve what is there (at most one sub-batch); returns how many were served."""
-        self.heartbeat()
+        """Read and serve what is there (at most one sub-batch); returns how many were served.
+
+        Heartbeats are the heartbeat thread's (see :meth:`run`), not this loop's.
+        """
         entries = self.read(block_ms)
         for entry_id, fields in entries:
             self.process(entry_id, fields)
@@ -271,9 +273,7 @@ class Worker:
             if not outcome.ok:
                 pairs.append((req.reply_to, protocol.error_reply(req.id, outcome.error or "error", **timing)))
         stats = self.keys.stats(s.model)
-        grouped = replies.group_by_stream(pairs)
-        for reply_to, group in grouped.items():
-            replies.queue_replies(pipe, reply_to, group, ttl_s=self.settings.reply_ttl_s, stats_key=stats)
+        grouped = replies.queue(pipe, pairs, ttl_s=self.settings.reply_ttl_s, stats_key=stats)
         pipe.xack(self.queue, WORKER_GROUP, entry_id)
         pipe.xdel(self.queue, entry_id)
         pipe.lpush(self.keys.wakeup(s.model), s.instance_id)
