@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: install
-	$(PY) -m packrat_mq.demo
+	$(PY) -m packrat_mq.cli.demo
 
 test: install
 	$(PY) -m pytest -q

@@ -34,14 +34,14 @@ from typing import Any
 os.environ.setdefault("PACKRAT_LOG_LEVEL", "WARNING")
 
 from optimizer.calibration import Measured, example_payloads, time_batches  # noqa: E402
-from optimizer.profile import Profile, resolve_profile_path  # noqa: E402
-from optimizer.solving import solve  # noqa: E402
+from optimizer.planning.profile import Profile, resolve_profile_path  # noqa: E402
+from optimizer.planning.solving import solve  # noqa: E402
 from packrat_mq.client import Client  # noqa: E402
 from packrat_mq.connection import EmbeddedRedis, connect  # noqa: E402
 from packrat_mq.instances import Configuration, InstanceSpec  # noqa: E402
 from packrat_mq.service import Service  # noqa: E402
 from packrat_mq.settings import Settings  # noqa: E402
-from workers.topology import Topology  # noqa: E402
+from packrat_mq.topology import Topology  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -1,4 +1,4 @@
-"""Speed of the optimizer (``optimizer.solving.solve``) on synthetic, realistic profiles.
+"""Speed of the optimizer (``optimizer.planning.solving.solve``) on synthetic, realistic profiles.
 
 Profiles follow ``L[t, b] = (overhead + work * b^0.92) * ((1 - p_b) + p_b / t)
 * (1 + contention * (t - 1)) * noise``: Amdahl-like speed-up whose parallel
@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from optimizer.profile import MachineInfo, Profile, ProfileEntry
-from optimizer.solving import clear_cache, solve, solve_reference
+from optimizer.planning.profile import MachineInfo, Profile, ProfileEntry
+from optimizer.planning.solving import clear_cache, solve, solve_reference
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

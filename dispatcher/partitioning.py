@@ -80,8 +80,8 @@ def profile_latency(table: dict[tuple[int, int], float]) -> LatencyFn:
 
 
 def latency_from_profile(path: str) -> LatencyFn:
-    """The latency estimate of a profile file (see ``optimizer.profile``)."""
-    from optimizer.profile import Profile
+    """The latency estimate of a profile file (see ``optimizer.planning.profile``)."""
+    from optimizer.planning.profile import Profile
 
     profile = Profile.load(path)
     return profile_latency({(e.threads, e.batch): e.mean_ms for e in profile.entries})

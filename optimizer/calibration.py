@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from optimizer.profile import Calibration, Profile
-from optimizer.solving import InfeasibleError, solve
+from optimizer.planning.profile import Calibration, Profile
+from optimizer.planning.solving import InfeasibleError, solve
 from packrat_mq import protocol
 from packrat_mq.instances import Configuration
 from packrat_mq.settings import Settings

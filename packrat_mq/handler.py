@@ -74,12 +74,16 @@ class BaseHandler:
     # --- lifecycle ----------------------------------------------------
     def initialize(self, context: Context) -> None:
         self.context = context
-        self.model = self.load_model(context)
-        if hasattr(self.model, "eval"):
-            self.model.eval()
-        if context.graph_mode and self.traceable:
-            self.model = self._trace(self.model)
+        self.model = self.prepare(self.load_model(context))
         self.initialized = True
+
+    def prepare(self, model: Any) -> Any:
+        """The model as served: in eval mode, and in graph mode traced at ``context.batch_size``."""
+        if hasattr(model, "eval"):
+            model.eval()
+        if self.context is not None and self.context.graph_mode and self.traceable:
+            return self._trace(model)
+        return model
 
     def load_model(self, context: Context) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError(f"{type(self).__name__} must implement load_model()")
@@ -203,10 +207,20 @@ def _describe(exc: BaseException) -> str:
     return text if isinstance(exc, BadRequest) else f"{type(exc).__name__}: {text}"
 
 
+#: The model zoo: handlers by short name; users name their own by ``module:Class``.
+ZOO: dict[str, str] = {
+    "echo": "packrat_mq.zoo.testing:EchoHandler",
+    "sleep": "packrat_mq.zoo.testing:SleepHandler",
+    "resnet50": "packrat_mq.zoo.vision:ResNet50Handler",
+    "inception_v3": "packrat_mq.zoo.vision:InceptionV3Handler",
+    "bert": "packrat_mq.zoo.language:BertHandler",
+    "gpt2": "packrat_mq.zoo.language:GPT2Handler",
+    "minilm": "packrat_mq.zoo.minilm:MiniLMHandler",
+}
+
+
 def load_handler(spec: str) -> BaseHandler:
     """Instantiate a handler from a zoo name (``resnet50``) or ``module:Class``."""
-    from packrat_mq.zoo import ZOO
-
     path = ZOO.get(spec, spec)
     if ":" not in path:
         known = ", ".join(sorted(ZOO))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from workers.topology import format_cpulist
+from packrat_mq.topology import format_cpulist
 
 
 def make_sysfs(

@@ -11,7 +11,7 @@ import pytest
 from packrat_mq.instances import Configuration
 from workers.allocation import AllocationError, allocate, pin_current_process, thread_env
 from tests.fake_sysfs import make_sysfs
-from workers.topology import Topology
+from packrat_mq.topology import Topology
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from optimizer.calibration import best_calibrated, calibrate, candidates, predicted_latency
-from optimizer.profile import Profile, ProfileEntry
+from optimizer.planning.profile import Profile, ProfileEntry
 from packrat_mq.cli import main
 from packrat_mq.instances import Configuration
 from packrat_mq.settings import Settings

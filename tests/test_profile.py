@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from optimizer.profile import (
+from optimizer.planning.profile import (
     Calibration,
     MachineInfo,
     Profile,

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import redis
 
-from optimizer.profile import Profile
-from optimizer.profiling import (
+from optimizer.planning.profile import Profile
+from optimizer.profiling.scheduler import (
     ProfilingError,
     ProfilingOptions,
     _best_split,
@@ -24,9 +24,9 @@ from optimizer.profiling import (
     run_log_path,
     t_quantile,
 )
-from optimizer.profiling_jobs import enqueue_profile
+from optimizer.profiling.jobs import enqueue_profile
 from packrat_mq.settings import Settings
-from workers.topology import Topology
+from packrat_mq.topology import Topology
 
 
 def test_t_quantiles_match_tables() -> None:
@@ -234,7 +234,7 @@ def test_rq_job_is_json_and_profiles_and_stores_result(
     try:
         assert job.origin == f"packrat-profile-{node}"
         (func, _instance, args, kwargs), _ = _stored_as_json(r, job.id)
-        assert func == "optimizer.profiling_jobs.profile_job" and args == []
+        assert func == "optimizer.profiling.jobs.profile_job" and args == []
         assert kwargs["settings"]["model"] == "echo" and kwargs["prefix"] == settings.prefix
 
         # The worker runs with the serializer `rq worker --serializer` is told to use.
@@ -257,7 +257,7 @@ def test_cli_run_and_enqueue(tmp_path: Path, r: redis.Redis, settings: Settings)
     from rq.cli import main as rq_cli
     from rq.serializers import JSONSerializer, resolve_serializer
 
-    from optimizer.profiling_jobs import SERIALIZER
+    from optimizer.profiling.jobs import SERIALIZER
     from packrat_mq.cli.profile_run import run
 
     out = tmp_path / "echo.json"

@@ -6,7 +6,7 @@ from pathlib import Path
 import click
 import pytest
 
-from optimizer.profile import Profile, ProfileEntry
+from optimizer.planning.profile import Profile, ProfileEntry
 from packrat_mq.cli.serve import choose_configuration, model_and_handler
 
 

@@ -13,8 +13,8 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from optimizer.profile import MachineInfo, Profile, ProfileEntry, ProfileError
-from optimizer.solving import InfeasibleError, clear_cache, solve, solve_reference
+from optimizer.planning.profile import MachineInfo, Profile, ProfileEntry, ProfileError
+from optimizer.planning.solving import InfeasibleError, clear_cache, solve, solve_reference
 from packrat_mq.cli.optimize_cmd import optimize
 
 

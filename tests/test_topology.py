@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.fake_sysfs import make_sysfs
-from workers.topology import Topology, format_cpulist, parse_cpulist
+from packrat_mq.topology import Topology, format_cpulist, parse_cpulist
 
 
 def test_cpulist_round_trip() -> None:

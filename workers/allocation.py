@@ -26,7 +26,7 @@ from functools import lru_cache
 from typing import Any, Iterable
 
 from packrat_mq.instances import Configuration, InstanceSpec
-from workers.topology import Topology, format_cpulist
+from packrat_mq.topology import Topology, format_cpulist
 
 
 class AllocationError(ValueError):

@@ -36,7 +36,7 @@ from packrat_mq.keys import WORKER_GROUP, check_model_name
 from packrat_mq.settings import Settings
 from packrat_mq.streams import ensure_group
 from workers.allocation import CoreAssignment, allocate, thread_env
-from workers.topology import Topology
+from packrat_mq.topology import Topology
 from workers.worker import WorkerSpec
 
 log = logging.getLogger("packrat_mq.pool")

@@ -13,8 +13,8 @@ from typing import Any
 
 import click
 
-from optimizer.profile import Profile, ProfileError
-from optimizer.solving import InfeasibleError, solve
+from optimizer.planning.profile import Profile, ProfileError
+from optimizer.planning.solving import InfeasibleError, solve
 from packrat_mq.cli.profile_cmd import load_profile
 from packrat_mq.instances import Configuration
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from optimizer.profile import LatencyTable, Profile, ProfileError, resolve_profile_path
+from optimizer.planning.profile import LatencyTable, Profile, ProfileError, resolve_profile_path
 
 
 def load_profile(ref: str) -> tuple[Path, Profile]:

@@ -46,7 +46,7 @@ def choose_configuration(
 ) -> tuple[Configuration, str | None]:
     """The configuration to serve with, and the profile it came from (if any).
 
-    ``--instances`` wins; otherwise :func:`optimizer.selection.choose` decides
+    ``--instances`` wins; otherwise :func:`optimizer.planning.selection.choose` decides
     for ``--threads`` (default: the cores of one socket) and ``--batch``.
     """
     if instances:
@@ -55,16 +55,16 @@ def choose_configuration(
         except ConfigurationError as exc:
             raise click.BadParameter(str(exc), param_hint="--instances") from None
         # A hand-given configuration still has the profile split partial batches.
-        from optimizer.profile import ProfileError
-        from optimizer.selection import find_profile
+        from optimizer.planning.profile import ProfileError
+        from optimizer.planning.selection import find_profile
 
         try:
             path = find_profile(model, profile)
         except ProfileError:
             raise click.BadParameter(f"no profile {profile!r}", param_hint="--profile") from None
         return config, str(path) if path else None
-    from optimizer.selection import choose
-    from workers.topology import Topology
+    from optimizer.planning.selection import choose
+    from packrat_mq.topology import Topology
 
     try:
         choice = choose(model, threads or Topology.detect().max_cores_per_socket, batch or 1, profile)

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from optimizer.profile import LatencyTable, Profile, ProfileError, as_table, table_fingerprint
+from optimizer.planning.profile import LatencyTable, Profile, ProfileError, as_table, table_fingerprint
 from packrat_mq.instances import Configuration, InstanceSpec
 
 __all__ = ["InfeasibleError", "ProfileError", "clear_cache", "solve", "solve_reference"]

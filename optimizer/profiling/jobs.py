@@ -19,7 +19,7 @@ from __future__ import annotations
 import socket
 from typing import TYPE_CHECKING, Any
 
-from optimizer.profiling import ProfilingError, ProfilingOptions, default_output, profile_model, profile_name
+from optimizer.profiling.scheduler import ProfilingError, ProfilingOptions, default_output, profile_model, profile_name
 
 if TYPE_CHECKING:
     import redis
@@ -96,7 +96,7 @@ def enqueue_profile(
 
     q = Queue(queue or profile_queue_name(node), connection=connection, serializer=SERIALIZER)
     return q.enqueue_call(
-        "optimizer.profiling_jobs.profile_job",
+        "optimizer.profiling.jobs.profile_job",
         kwargs={"settings": options.model_dump(mode="json"), "node": node, "prefix": prefix,
                 "store_dir": store_dir, "fresh": fresh},
         timeout=job_timeout_s,

@@ -53,10 +53,10 @@ def main() -> int:
     from packrat_mq.connection import EmbeddedRedis, connect
     from packrat_mq.instances import Configuration
     from packrat_mq.service import Service
-    from workers.topology import Topology
+    from packrat_mq.topology import Topology
     from packrat_mq.settings import Settings
 
-    from optimizer.selection import choose
+    from optimizer.planning.selection import choose
 
     threads = Topology.detect().max_cores_per_socket
     batch = 8

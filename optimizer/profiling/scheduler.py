@@ -1,7 +1,7 @@
 """The profiler: measure ``L[t, b]`` of one model the way it is served.
 
 Every measurement runs in a fresh child process (``python -m
-optimizer.profiling child SPEC``) started with :func:`workers.allocation.thread_env`
+optimizer.profiling.scheduler child SPEC``) started with :func:`workers.allocation.thread_env`
 in its environment, so OpenMP/MKL size their pools before torch is imported,
 and pinned to ``t`` physical cores of one socket by
 :func:`workers.allocation.allocate` on a one-instance configuration. The child
@@ -86,8 +86,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 if TYPE_CHECKING:
-    from optimizer.profile import Profile, ProfileEntry
-    from workers.topology import Topology
+    from optimizer.planning.profile import Profile, ProfileEntry
+    from packrat_mq.topology import Topology
 
 #: The reference schedule the adaptive one is compared with.
 FIXED_WARMUP, FIXED_ITERS = 10, 100
@@ -418,10 +418,10 @@ def profile_model(
     loses only the point in progress; the report then has ``interrupted``.
     ``on_point`` is called with each new point (tests use it to interrupt).
     """
-    from optimizer.profile import ProfileEntry
+    from optimizer.planning.profile import ProfileEntry
     from packrat_mq.instances import Configuration
     from workers.allocation import AllocationError, allocate
-    from workers.topology import Topology
+    from packrat_mq.topology import Topology
 
     topology = topology or Topology.detect()
     path = Path(output) if output is not None else default_output(options.model, options.graph)
@@ -510,7 +510,7 @@ def profile_model(
 
 
 def _load_for_resume(path: Path, options: ProfilingOptions, fresh: bool) -> Profile:
-    from optimizer.profile import MachineInfo, Profile, ProfileError
+    from optimizer.planning.profile import MachineInfo, Profile, ProfileError
 
     machine = MachineInfo.current()
     if fresh or not path.exists():
@@ -627,7 +627,7 @@ class _Child:
         started = time.perf_counter()
         spec = {"threads": self.threads, "cpus": list(self.cpus), "options": self.options.model_dump()}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "optimizer.profiling", "child", json.dumps(spec)],
+            [sys.executable, "-m", "optimizer.profiling.scheduler", "child", json.dumps(spec)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.stderr,
@@ -805,7 +805,7 @@ def _measure_batch(
 def _main(argv: list[str]) -> int:
     if len(argv) == 2 and argv[0] == "child":
         return _child_main(argv[1])
-    print("usage: python -m optimizer.profiling child SPEC_JSON (started by `packrat-mq profile run`)",
+    print("usage: python -m optimizer.profiling.scheduler child SPEC_JSON (started by `packrat-mq profile run`)",
           file=sys.stderr)
     return 2
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from optimizer.calibration import best_calibrated
-from optimizer.profile import Profile, ProfileError, resolve_profile_path
-from optimizer.solving import solve
+from optimizer.planning.profile import Profile, ProfileError, resolve_profile_path
+from optimizer.planning.solving import solve
 from packrat_mq.instances import Configuration
 
 

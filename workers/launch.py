@@ -1,0 +1,101 @@
+"""How a process that will run a model is started: its environment and its spec.
+
+Every such process (a worker instance, a profiling child, the dispatcher) is
+spawned, never forked, with ``python -m <module>``: a forked torch runtime
+shares thread pools with its parent. OpenMP and MKL read their thread counts
+once, when they load, so the parent puts them in the child's environment
+(:func:`instance_env`) before the child imports torch; the child pins itself
+(:mod:`workers.runtime`).
+
+The spec goes to the child as JSON on stdin, never in argv: it holds the
+Redis URL with its password, and ``/proc/<pid>/cmdline`` is readable by every
+user of the machine.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
+
+#: Thread-count variables read by OpenMP, MKL, OpenBLAS and friends at load time.
+THREAD_ENV_VARS = (
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "BLIS_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+    "RAYON_NUM_THREADS",
+)
+
+#: Model loading must stay offline, and its progress bars are noise in a server's log.
+_OFFLINE_ENV = (
+    ("HF_HUB_OFFLINE", "1"),
+    ("TRANSFORMERS_OFFLINE", "1"),
+    ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
+    ("TRANSFORMERS_VERBOSITY", "error"),
+    ("TOKENIZERS_PARALLELISM", "false"),
+)
+
+
+def thread_env(threads: int) -> dict[str, str]:
+    """The thread variables of a child that will run ``threads`` intra-op threads."""
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    env = {name: str(threads) for name in THREAD_ENV_VARS}
+    # Spin-waiting OpenMP threads burn the cores of the instance next door
+    # between batches; passive waiting costs microseconds per batch.
+    env["OMP_WAIT_POLICY"] = "PASSIVE"
+    return env
+
+
+def instance_env(threads: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The whole environment of a model-running child: ``base`` (default ours) plus threads and offline loading."""
+    env = dict(os.environ if base is None else base)
+    env.update(thread_env(threads))
+    for name, value in _OFFLINE_ENV:
+        env.setdefault(name, value)
+    return env
+
+
+def spawn(
+    module: str,
+    spec_json: str,
+    env: Mapping[str, str] | None = None,
+    *,
+    keep_stdin: bool = False,
+    stdout: int | None = None,
+    stderr: object = None,
+) -> subprocess.Popen[bytes]:
+    """Start ``python -m module`` with its spec as the first line of its stdin.
+
+    ``keep_stdin`` leaves the pipe open after the spec (the profiling child
+    takes its requests there, one JSON line each); otherwise it is closed, so
+    the child reads the spec to EOF.
+    """
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module],
+        env=dict(env) if env is not None else None,
+        stdin=subprocess.PIPE,
+        stdout=stdout,
+        stderr=stderr,  # type: ignore[arg-type]
+        # Its own session: Ctrl-C reaches the supervisor only, which stops
+        # its children in order.
+        start_new_session=True,
+    )
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(spec_json.encode() + b"\n")
+        if keep_stdin:
+            proc.stdin.flush()
+        else:
+            proc.stdin.close()
+    except BrokenPipeError:
+        pass  # it died at once; whoever started it sees the exit code
+    return proc
+
+
+def read_spec(argv: list[str]) -> str:
+    """The child's side: its spec from the first line of stdin, or ``argv[0]`` when given (tests)."""
+    return argv[0] if argv else sys.stdin.readline()

@@ -1,0 +1,122 @@
+"""The instance runtime: how a started process becomes a ready model instance.
+
+One function, :func:`start`, does it for a served worker and for the
+profiler's child alike (pin, load the handler, size torch, initialise, warm
+up), so a profile measures exactly what serving runs.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from packrat_mq.handler import BaseHandler, Context, load_handler, run_batch
+from packrat_mq.topology import format_cpulist
+
+
+class RuntimeSpec(BaseModel):
+    """What one instance runs, and where: the part of a worker's spec a profiling child shares."""
+
+    model: str
+    #: Zoo name or ``module:Class``; the model name when not given.
+    handler: str
+    instance_id: str
+    threads: int = Field(default=1, ge=1)
+    batch: int = Field(default=1, ge=1)
+    cpus: list[int] = Field(default_factory=list)
+    socket: int = 0
+    graph_mode: bool = False
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    def context(self) -> Context:
+        return Context(
+            model_name=self.model,
+            instance_id=self.instance_id,
+            threads=self.threads,
+            cores=tuple(self.cpus),
+            batch_size=self.batch,
+            graph_mode=self.graph_mode,
+            options=dict(self.options),
+        )
+
+
+def pin(cpus: list[int]) -> None:
+    """Pin this process to ``cpus`` (the one place that sets CPU affinity)."""
+    cpu_set = sorted(set(cpus))
+    if not cpu_set:
+        raise ValueError("pin needs at least one CPU")
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    try:
+        os.sched_setaffinity(0, cpu_set)
+    except OSError as exc:
+        raise OSError(
+            exc.errno,
+            f"cannot pin to cpus {format_cpulist(cpu_set)} (allowed: "
+            f"{format_cpulist(os.sched_getaffinity(0))}): {exc.strerror}",
+        ) from exc
+
+
+def size_torch(threads: int) -> bool:
+    """Size torch's thread pools if torch is loaded; returns whether it was.
+
+    Never imports torch itself: ``echo``/``sleep`` instances must not pay for
+    it. Safe to call again (torch lets the inter-op pool be set only once).
+    """
+    if "torch" not in sys.modules:
+        return False
+    import torch
+
+    torch.set_num_threads(threads)
+    # One inter-op thread: the instances already are the parallelism across
+    # requests; a second pool would only compete for the same cores.
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass  # already set (or inter-op work already ran); torch allows it once
+    return True
+
+
+def start(spec: RuntimeSpec, *, warm_up: bool = True, on_loaded: Any = None) -> BaseHandler:
+    """Pin, load the handler, size torch, initialise and (by default) warm up one instance.
+
+    ``on_loaded(handler)`` runs once the handler is imported and before the
+    model loads (the worker registers itself as ``starting`` there).
+    """
+    if spec.cpus:
+        pin(spec.cpus)
+    handler = load_handler(spec.handler)
+    if on_loaded is not None:
+        on_loaded(handler)
+    # A handler module that imports torch gets its pools sized before the
+    # model loads; one that imports it only in load_model, right after.
+    sized = size_torch(spec.threads)
+    handler.initialize(spec.context())
+    if not sized:
+        size_torch(spec.threads)
+    if warm_up:
+        warm(handler, spec.batch)
+    return handler
+
+
+def warm(handler: BaseHandler, batch: int) -> None:
+    """One batch of the serving size before taking traffic (allocator, oneDNN primitives, JIT caches)."""
+    try:
+        items = handler.example_batch(batch)
+    except NotImplementedError:
+        return
+    run_batch(handler, items)
+
+
+def resize(handler: BaseHandler, eager: Any, batch: int, graph_mode: bool) -> None:
+    """Make a loaded instance serve ``batch``: in graph mode, trace ``eager`` again at that size.
+
+    A served instance is traced at its own batch size; the profiler measures
+    many sizes from weights loaded once, and this is how it gets each one.
+    """
+    assert handler.context is not None
+    handler.context.batch_size = batch
+    handler.context.graph_mode = graph_mode
+    handler.model = handler.prepare(eager)
