@@ -13,18 +13,16 @@ import pytest
 import redis
 
 from optimizer.planning.profile import Profile
-from optimizer.profiling.scheduler import (
+from optimizer.profiling.jobs import enqueue_profile
+from optimizer.profiling.options import (
     ProfilingError,
     ProfilingOptions,
-    _best_split,
     default_output,
-    measure,
     power_of_two_batches,
-    profile_model,
     run_log_path,
-    t_quantile,
 )
-from optimizer.profiling.jobs import enqueue_profile
+from optimizer.profiling.scheduler import _best_split, profile_model
+from optimizer.profiling.statistics import measure, t_quantile
 from packrat_mq.settings import Settings
 from packrat_mq.topology import Topology
 
@@ -235,7 +233,7 @@ def test_rq_job_is_json_and_profiles_and_stores_result(
         assert job.origin == f"packrat-profile-{node}"
         (func, _instance, args, kwargs), _ = _stored_as_json(r, job.id)
         assert func == "optimizer.profiling.jobs.profile_job" and args == []
-        assert kwargs["settings"]["model"] == "echo" and kwargs["prefix"] == settings.prefix
+        assert kwargs["options"]["model"] == "echo" and kwargs["prefix"] == settings.prefix
 
         # The worker runs with the serializer `rq worker --serializer` is told to use.
         assert worker.work(burst=True)
@@ -283,7 +281,7 @@ def test_cli_run_and_enqueue(tmp_path: Path, r: redis.Redis, settings: Settings)
         assert job["queue"] == f"packrat-profile-{node}"
         assert job["result_key"] == settings.keys.profile_result("echo", node)
         (_, _, _, kwargs), _ = _stored_as_json(r, job["job_id"])
-        assert kwargs["settings"]["model"] == "echo"
+        assert kwargs["options"]["model"] == "echo"
         # The printed worker command starts a worker with the jobs' serializer.
         assert job["worker_command"] == (
             f"rq worker packrat-profile-{node} --serializer {SERIALIZER} --url {settings.redis_url}")

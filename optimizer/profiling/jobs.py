@@ -19,7 +19,9 @@ from __future__ import annotations
 import socket
 from typing import TYPE_CHECKING, Any
 
-from optimizer.profiling.scheduler import ProfilingError, ProfilingOptions, default_output, profile_model, profile_name
+from optimizer.profiling.options import ProfilingError, ProfilingOptions, default_output, profile_name
+from optimizer.profiling.scheduler import profile_model
+from packrat_mq.keys import Keys
 
 if TYPE_CHECKING:
     import redis
@@ -46,7 +48,7 @@ def worker_command(queue: str, url: str) -> str:
 
 
 def profile_job(
-    settings: dict[str, Any],
+    options: dict[str, Any],
     *,
     node: str | None = None,
     prefix: str = "packrat",
@@ -55,7 +57,8 @@ def profile_job(
 ) -> dict[str, Any]:
     """RQ job: profile on the worker's node, store the JSON in Redis and in ``store_dir``.
 
-    ``settings`` is :class:`ProfilingOptions` as a JSON dict. The Redis key is
+    ``options`` is :class:`ProfilingOptions` as a JSON dict (the jobs' serializer
+    carries no Python objects). The Redis key is
     ``Keys(prefix).profile_result(model, node)`` (model ``<model>.graph`` in
     graph mode), ``node`` being the node the job was queued for (default: the
     host it runs on), so several nodes' profiles of one model sit side by
@@ -63,16 +66,14 @@ def profile_job(
     """
     from rq import get_current_job
 
-    from packrat_mq.keys import Keys
-
-    options = ProfilingOptions(**settings)
+    profiling = ProfilingOptions.model_validate(options)
     host = socket.gethostname()
     node = node or host
-    path = default_output(options.model, options.graph, store_dir)
-    report = profile_model(options, path, fresh=fresh, progress=False)
+    path = default_output(profiling.model, profiling.graph, store_dir)
+    report = profile_model(profiling, path, fresh=fresh, progress=False)
     if report.interrupted:
-        raise ProfilingError(f"profiling {options.model} on {host} was interrupted")
-    key = Keys(prefix).profile_result(result_name(options), node)
+        raise ProfilingError(f"profiling {profiling.model} on {host} was interrupted")
+    key = Keys(prefix).profile_result(result_name(profiling), node)
     job = get_current_job()
     if job is not None:
         job.connection.set(key, report.profile.model_dump_json(exclude_none=True))
@@ -97,7 +98,7 @@ def enqueue_profile(
     q = Queue(queue or profile_queue_name(node), connection=connection, serializer=SERIALIZER)
     return q.enqueue_call(
         "optimizer.profiling.jobs.profile_job",
-        kwargs={"settings": options.model_dump(mode="json"), "node": node, "prefix": prefix,
+        kwargs={"options": options.model_dump(mode="json"), "node": node, "prefix": prefix,
                 "store_dir": store_dir, "fresh": fresh},
         timeout=job_timeout_s,
         result_ttl=7 * 24 * 3600,

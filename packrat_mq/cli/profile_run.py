@@ -1,6 +1,6 @@
 """``packrat-mq profile run``: measure a model's latency profile on this machine.
 
-Here, in pinned child processes (see ``optimizer.profiling.scheduler``), or with
+Here, in pinned child processes (see :mod:`optimizer.profiling`), or with
 ``--enqueue`` as an RQ job on another node's profiling worker.
 """
 from __future__ import annotations
@@ -8,11 +8,14 @@ from __future__ import annotations
 import socket
 import sys
 from pathlib import Path
-from typing import Any
 
 import click
 
+from optimizer.profiling.jobs import enqueue_profile, profile_queue_name, result_name, worker_command
+from optimizer.profiling.options import ProfilingError, ProfilingOptions, power_of_two_batches
+from optimizer.profiling.scheduler import profile_model
 from packrat_mq.cli.helpers import connect_or_fail, echo_json, err, parse_handler_options, redis_options
+from packrat_mq.connection import redact
 from packrat_mq.settings import Settings
 
 
@@ -107,8 +110,6 @@ def run(
       packrat-mq profile run --model sleep --option base_ms=5 --batches 1,2,4 --threads-max 2
       packrat-mq profile run --model bert --enqueue --node gpu-box-7 --redis-url redis://broker:6379
     """
-    from optimizer.profiling.scheduler import ProfilingError, ProfilingOptions, power_of_two_batches
-
     if output is not None and len(models) > 1:
         raise click.UsageError("-o/--output names one file; give one --model, or leave -o out")
     if max_iters < min_iters:
@@ -137,8 +138,6 @@ def run(
     if nodes or queue_name:
         raise click.UsageError("--node and --queue only apply with --enqueue")
 
-    from optimizer.profiling.scheduler import profile_model
-
     reports = []
     failed = interrupted = False
     for options in all_options:
@@ -162,12 +161,9 @@ def run(
 
 
 def _enqueue(
-    settings: Settings, all_options: list[Any], nodes: tuple[str, ...], queue_name: str | None,
+    settings: Settings, all_options: list[ProfilingOptions], nodes: tuple[str, ...], queue_name: str | None,
     store_dir: str, fresh: bool, job_timeout: int, as_json: bool,
 ) -> None:
-    from optimizer.profiling.jobs import enqueue_profile, profile_queue_name, result_name, worker_command
-    from packrat_mq.connection import redact
-
     r, url = connect_or_fail(settings)
     targets = nodes or (socket.gethostname(),)
     jobs = []

@@ -1,0 +1,97 @@
+"""What a profiling run measures and how precisely, and where its profile is written.
+
+:class:`ProfilingOptions` is plain JSON-able data: the CLI builds it, the
+profiling child receives it in its spec, and RQ jobs carry it as JSON.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from optimizer.planning.profile import ProfileError, profile_path
+from packrat_mq.topology import Topology
+
+
+class ProfilingError(RuntimeError):
+    """The profiler could not run (bad options, a child that would not start)."""
+
+
+def power_of_two_batches(max_batch: int) -> list[int]:
+    """``1, 2, 4, ...`` up to ``max_batch`` (included even if not a power of two)."""
+    if max_batch < 1:
+        raise ValueError(f"max batch must be >= 1, got {max_batch}")
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    out.append(max_batch)
+    return out
+
+
+class ProfilingOptions(BaseModel):
+    """What to profile and how precisely; JSON-able for the child and for RQ jobs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    #: Zoo name or ``module:Class``; also the handler the child loads.
+    model: str
+    #: Thread counts; None means ``1..threads_max``.
+    threads: list[int] | None = None
+    #: None means the allowed physical cores of the largest socket.
+    threads_max: int | None = Field(default=None, ge=1)
+    batches: list[int] = Field(default_factory=lambda: power_of_two_batches(32))
+    graph: bool = False
+    options: dict[str, Any] = Field(default_factory=dict)
+    rel_ci: float = Field(default=0.02, gt=0, lt=1)
+    confidence: float = Field(default=0.95, gt=0, lt=1)
+    min_iters: int = Field(default=5, ge=2)
+    max_iters: int = Field(default=100, ge=2)
+    warmup: int = Field(default=3, ge=0)
+    budget_s: float = Field(default=30.0, gt=0)
+    max_latency_ms: float | None = Field(default=None, gt=0)
+    dominance_margin: float = Field(default=0.05, ge=0)
+    #: A child that says nothing for this long is killed.
+    child_timeout_s: float = Field(default=1800.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> ProfilingOptions:
+        if self.max_iters < self.min_iters:
+            raise ValueError(f"max_iters ({self.max_iters}) must be >= min_iters ({self.min_iters})")
+        for name, values in (("batches", self.batches), ("threads", self.threads or [1])):
+            if not values or any(v < 1 for v in values):
+                raise ValueError(f"{name} must be positive integers, got {values}")
+        self.batches = sorted(set(self.batches))
+        if self.threads is not None:
+            self.threads = sorted(set(self.threads))
+        return self
+
+    @property
+    def mode(self) -> Literal["eager", "graph"]:
+        return "graph" if self.graph else "eager"
+
+    def thread_counts(self, topology: Topology) -> list[int]:
+        if self.threads is not None:
+            return list(self.threads)
+        top = self.threads_max or topology.max_cores_per_socket
+        return list(range(1, top + 1))
+
+
+def profile_name(model: str) -> str:
+    """The profile's model name: a zoo name as is, ``module:Class`` as ``module.Class``."""
+    return model.replace(":", ".")
+
+
+def default_output(model: str, graph: bool = False, directory: str | os.PathLike[str] = "profiles") -> Path:
+    """``profiles/<model>.json`` (eager) or ``profiles/<model>.graph.json``, named as every profile is."""
+    try:
+        return profile_path(profile_name(model), graph, directory)
+    except ProfileError as exc:
+        raise ProfilingError(f"cannot name the profile of {model!r}: {exc}") from None
+
+
+def run_log_path(profile_path: Path) -> Path:
+    """Where each run's schedule and time saved are appended (not ``*.json``: not a profile)."""
+    return profile_path.with_name(profile_path.name.removesuffix(".json") + ".runs.jsonl")
