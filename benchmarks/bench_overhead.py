@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,9 +32,10 @@ from packrat_mq import protocol  # noqa: E402
 from packrat_mq.client import Client  # noqa: E402
 from packrat_mq.connection import EmbeddedRedis, connect  # noqa: E402
 from packrat_mq.instances import Configuration  # noqa: E402
-from packrat_mq.service import Service  # noqa: E402
+from dispatcher.spec import DispatcherSpec  # noqa: E402
 from packrat_mq.settings import Settings  # noqa: E402
-from workers.pool import Pool  # noqa: E402
+from workers.launch import spawn  # noqa: E402
+from workers.supervisor import Supervisor  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -48,7 +48,7 @@ def low_load(url: str, config: str, timeout_ms: float, n: int) -> dict[str, floa
     r = connect(url)
     r.flushdb()
     settings = Settings(redis_url=url, batch_timeout_ms=timeout_ms)
-    with Service(r, settings, url, "echo", Configuration.parse(config)):
+    with Supervisor(r, settings, url, "echo", Configuration.parse(config)):
         client = Client(connect(url))
         for _ in range(50):  # warm-up
             client.submit("echo", b"{}", content_type=protocol.JSON)
@@ -64,7 +64,7 @@ def saturation(url: str, window: int, total: int) -> dict[str, float]:
     r = connect(url)
     r.flushdb()
     settings = Settings(redis_url=url, batch_timeout_ms=2.0)
-    with Service(r, settings, url, "echo", Configuration.parse("1x128,1x128")):
+    with Supervisor(r, settings, url, "echo", Configuration.parse("1x128,1x128")):
         client = Client(connect(url))
         half = window // 2
         inflight = [client.send_many("echo", [b"{}"] * half, content_type=protocol.JSON) for _ in range(2)]
@@ -88,14 +88,11 @@ def saturation(url: str, window: int, total: int) -> dict[str, float]:
 
 def throughput(url: str, n: int, config: str = "1x128,1x128") -> float:
     """Requests/s of one dispatcher draining ``n`` queued requests (first to last reply)."""
-    from dispatcher.__main__ import DispatcherSpec
-
     r = connect(url)
     r.flushdb()
     settings = Settings(redis_url=url, batch_timeout_ms=2.0)
-    pool = Pool(r, settings, url, "echo", Configuration.parse(config))
-    pool.start()
-    pool.wait_ready(60)
+    pool = Supervisor(r, settings, url, "echo", Configuration.parse(config), with_dispatcher=False)
+    pool.start(ready_timeout=60)
     reply_to = "bench:replies"
     pipe = r.pipeline(transaction=False)
     for i in range(n):
@@ -104,7 +101,7 @@ def throughput(url: str, n: int, config: str = "1x128,1x128") -> float:
             pipe.execute()
     pipe.execute()
     spec = DispatcherSpec(url=url, settings=settings, model="echo")
-    proc = subprocess.Popen([sys.executable, "-m", "dispatcher", spec.model_dump_json()])
+    proc = spawn("dispatcher", spec.model_dump_json())
     try:
         while r.xlen(reply_to) == 0:
             time.sleep(0.0005)
@@ -117,7 +114,6 @@ def throughput(url: str, n: int, config: str = "1x128,1x128") -> float:
         proc.terminate()
         proc.wait()
         pool.stop()
-        pool.retire()
     return rate
 
 

@@ -12,7 +12,7 @@ Flow control: a batch is read only when every instance has room (at most
 backlog stays in the request stream, whose length is what the estimator
 reads, instead of piling up in instance queues. Only live instances count:
 one whose record says it is restarting, stopped or whose heartbeat is stale
-(see ``packrat_mq.liveness``) is sent nothing and does not hold the others
+(see ``packrat_mq.records``) is sent nothing and does not hold the others
 up, and the batch shrinks to the live instances' shares until it is back.
 
 Backpressure: past ``max_backlog`` entries in the request stream, the newest
@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -39,9 +39,10 @@ from dispatcher.orphans import sweep
 from dispatcher.partitioning import LatencyFn, split
 from packrat_mq import protocol, replies
 from packrat_mq.backoff import Backoff
+from packrat_mq.connection import connect
 from packrat_mq.deployment import Deployment, InstanceRecord
 from packrat_mq.keys import DISPATCHER_GROUP, check_model_name
-from packrat_mq.liveness import decode_float, effective_state
+from packrat_mq.records import DispatcherState, InstanceState
 from packrat_mq.recovery import recover
 from packrat_mq.settings import Settings
 from packrat_mq.streams import ensure_group
@@ -49,17 +50,6 @@ from packrat_mq.streams import ensure_group
 log = logging.getLogger("packrat_mq.dispatcher")
 
 Entry = tuple[bytes, "dict[bytes, bytes] | None"]
-
-
-@dataclass
-class DispatchStats:
-    batches: int = 0
-    requests: int = 0
-    rejected: int = 0
-    unanswerable: int = 0
-    overloaded: int = 0
-    sizes: dict[int, int] = field(default_factory=dict)
-
 
 
 class Dispatcher:
@@ -89,7 +79,6 @@ class Dispatcher:
         self.sweep_interval_s = 1.0
         self.latency = latency
         self.stream = self.keys.requests(model)
-        self.stats = DispatchStats()
         self.deployment: Deployment | None = None
         self._raw_config: bytes | None = None
         self._batch_seq = 0
@@ -110,25 +99,20 @@ class Dispatcher:
     def heartbeat(self, state: str | None = None) -> None:
         """Tell supervisors and ``status`` that this dispatcher is alive (every ``heartbeat_s``).
 
-        The whole record is written each time (a Redis restart loses nothing
-        for long); counters (``batches``, ``restarts``, ``loop_errors``) are
-        HINCRBY'd where they change and never overwritten here.
+        The whole record is written each time, so a Redis restart loses it
+        for one interval at most; its counters are incremented where they
+        change (see :mod:`packrat_mq.records`).
         """
         now = time.time()
         if state is not None:
             self._state = state
         elif now - self._last_beat < self.settings.heartbeat_s:
             return
-        fields: dict[str, str | int | float] = {
-            "heartbeat": f"{now:.3f}",
-            "interval": self.settings.heartbeat_s,
-            "state": self._state,
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "max_backlog": self.settings.max_backlog,
-        }
+        record = DispatcherState(state=self._state, pid=os.getpid(), host=socket.gethostname(),
+                                 interval=self.settings.heartbeat_s, heartbeat=now,
+                                 max_backlog=self.settings.max_backlog)
         pipe = self.r.pipeline(transaction=False)
-        pipe.hset(self.keys.dispatcher(self.model), mapping=fields)
+        record.save(pipe, self.keys.dispatcher(self.model))
         pipe.sadd(self.keys.models(), self.model)
         pipe.execute()
         self._last_beat = now
@@ -182,7 +166,7 @@ class Dispatcher:
         instances = deployment.instances if deployment else []
         for inst in instances:
             pipe.xlen(self.keys.queue(self.model, inst.id))
-            pipe.hmget(self.keys.instance(self.model, inst.id), "state", "heartbeat", "interval")
+            pipe.hgetall(self.keys.instance(self.model, inst.id))
         raw, backlog, *rest = pipe.execute()
         if backlog > self.settings.max_backlog:
             self.shed(backlog - self.settings.max_backlog)
@@ -194,11 +178,10 @@ class Dispatcher:
         now = time.time()
         live: list[InstanceRecord] = []
         full = False
-        for inst, length, (state, beat, interval) in zip(instances, rest[0::2], rest[1::2]):
-            if state is not None:
-                shown = effective_state(state.decode(), decode_float(beat), decode_float(interval), now,
-                                        self.settings.heartbeat_s)
-                if shown != "ready":
+        for inst, length, raw_record in zip(instances, rest[0::2], rest[1::2]):
+            record = InstanceState.parse(raw_record)
+            if record is not None:
+                if record.effective_state(now) != "ready":
                     continue  # gone or restarting: its queue counts as full, the others go on
             # No record at all: nothing says it is gone; flow control still bounds its queue.
             live.append(inst)
@@ -255,8 +238,9 @@ class Dispatcher:
         # Entries read before the failure may be pending, not dispatched.
         self._recovering = True
         self._recover_from = "0"
-        delay = recover(self.r, exc, stream=self.stream, group=DISPATCHER_GROUP,
-                        record_key=self.keys.dispatcher(self.model), rewrite_record=lambda: self.heartbeat(self._state),
+        delay = recover(self.r, exc, stream=self.stream, group=DISPATCHER_GROUP, record=DispatcherState,
+                        record_key=self.keys.dispatcher(self.model), interval=self.settings.heartbeat_s,
+                        rewrite_record=lambda: self.heartbeat(self._state),
                         backoff=self.backoff, who=f"dispatcher for {self.model}", log=log)
         end = time.monotonic() + delay
         while not self._stopping and time.monotonic() < end:
@@ -296,7 +280,6 @@ class Dispatcher:
         if unanswerable:
             pipe.hincrby(stats_key, "unanswerable", unanswerable)
         replies.execute(pipe, f"model {self.model}")
-        self.stats.overloaded += len(entries)
         log.warning("model %s: backlog over %d; %d newest requests refused as overloaded",
                     self.model, self.settings.max_backlog, len(entries))
         return len(entries)
@@ -348,28 +331,18 @@ class Dispatcher:
         pipe.xdel(self.stream, *ids)
         pipe.hincrby(stats_key, "requests", len(accepted) + len(rejected))
         pipe.hincrby(stats_key, "batches", 1)
-        pipe.hincrby(self.keys.dispatcher(self.model), "batches", 1)
+        DispatcherState.count(pipe, self.keys.dispatcher(self.model), "batches", interval=self.settings.heartbeat_s)
         if rejected:
             pipe.hincrby(stats_key, "rejected", len(rejected))
         if unanswerable:
             pipe.hincrby(stats_key, "unanswerable", unanswerable)
         replies.execute(pipe, f"model {self.model}")
 
-        self.stats.batches += 1
-        self.stats.requests += len(entries)
-        self.stats.rejected += len(rejected)
-        self.stats.unanswerable += unanswerable
-        self.stats.sizes[len(accepted)] = self.stats.sizes.get(len(accepted), 0) + 1
-
 
 def run_dispatcher(
     settings: Settings, url: str, model: str, *, latency: LatencyFn | None = None, parent_pid: int | None = None
 ) -> None:
     """Process entry point: run until SIGTERM/SIGINT (or until the supervisor ``parent_pid`` is gone)."""
-    import signal
-
-    from packrat_mq.connection import connect
-
     d = Dispatcher(connect(url), settings, model, latency=latency, parent_pid=parent_pid)
 
     def _stop(signum: int, frame: Any) -> None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 
+from optimizer.planning.profile import Profile
+
 #: ``latency(threads, batch) -> ms`` estimate for one instance.
 LatencyFn = Callable[[int, int], float]
 
@@ -81,7 +83,5 @@ def profile_latency(table: dict[tuple[int, int], float]) -> LatencyFn:
 
 def latency_from_profile(path: str) -> LatencyFn:
     """The latency estimate of a profile file (see ``optimizer.planning.profile``)."""
-    from optimizer.planning.profile import Profile
-
     profile = Profile.load(path)
     return profile_latency({(e.threads, e.batch): e.mean_ms for e in profile.entries})

@@ -18,7 +18,8 @@ def check_model_name(name: str) -> str:
     if not MODEL_NAME.match(name):
         raise ValueError(
             f"model name {name!r} must be 1-128 letters, digits, '.', '_' or '-' "
-            "(it is a segment of Redis keys; use --handler for an import path)"
+            "(it is a segment of Redis keys; to serve a handler class, give its import path as "
+            "--model module:Class and the name to serve it under as --name)"
         )
     return name
 
@@ -71,6 +72,10 @@ class Keys:
         """Hash describing the model's dispatcher (pid, host, state, heartbeat)."""
         return self._key("dispatcher", model)
 
+    def supervisor(self, model: str, node: str) -> str:
+        """Hash describing the supervisor of one model on one node (pid, generation, instances)."""
+        return self._key("supervisor", model, node)
+
     def stats(self, model: str) -> str:
         """Hash of counters (requests, batches, rejected, errors)."""
         return self._key("stats", model)
@@ -91,3 +96,7 @@ class Keys:
     def instances(self, model: str) -> str:
         """Set of instance ids of one model."""
         return self._key("index", "instances", model)
+
+    def supervisors(self, model: str) -> str:
+        """Set of the nodes supervising instances of one model."""
+        return self._key("index", "supervisors", model)

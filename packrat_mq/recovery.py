@@ -15,6 +15,7 @@ from collections.abc import Callable
 import redis
 
 from packrat_mq.backoff import Backoff
+from packrat_mq.records import LiveRecord
 from packrat_mq.streams import ensure_group, is_nogroup
 
 
@@ -24,7 +25,9 @@ def recover(
     *,
     stream: str,
     group: str,
+    record: type[LiveRecord],
     record_key: str,
+    interval: float,
     rewrite_record: Callable[[], None],
     backoff: Backoff,
     who: str,
@@ -36,7 +39,7 @@ def recover(
         try:
             ensure_group(r, stream, group)
             rewrite_record()
-            r.hincrby(record_key, "groups_recreated", 1)
+            record.count(r, record_key, "groups_recreated", interval=interval)
             return 0.0
         except redis.RedisError as again:
             exc = again
@@ -46,7 +49,7 @@ def recover(
     else:
         log.error("%s: loop iteration failed; retrying in %.2f s", who, delay, exc_info=exc)
         try:
-            r.hincrby(record_key, "loop_errors", 1)
+            record.count(r, record_key, "loop_errors", interval=interval)
         except redis.RedisError:
             pass
     return delay

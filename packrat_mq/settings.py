@@ -7,7 +7,9 @@ sees exactly what its supervisor was started with.
 """
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Literal
+
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from packrat_mq.keys import Keys
@@ -32,11 +34,19 @@ class Settings(BaseSettings):
     )
     graph_mode: bool = Field(default=False, description="TorchScript trace + freeze the model.")
     heartbeat_s: float = Field(default=1.0, gt=0, description="How often instances and the dispatcher report.")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
+        default="INFO", description="Log level of every packrat-mq process."
+    )
     max_backlog: int = Field(
         default=100_000,
         ge=1,
         description="Bound on a model's request stream; newer requests past it get an 'overloaded' error reply.",
     )
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, v: object) -> object:
+        return v.upper() if isinstance(v, str) else v
 
     @property
     def keys(self) -> Keys:

@@ -1,15 +1,12 @@
 """Allocation of configurations to physical cores, thread environment and pinning."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from packrat_mq.instances import Configuration
-from workers.allocation import AllocationError, allocate, pin_current_process, thread_env
+from workers.allocation import AllocationError, allocate
 from tests.fake_sysfs import make_sysfs
 from packrat_mq.topology import Topology
 
@@ -97,41 +94,3 @@ def test_restricted_cpuset(tmp_path: Path) -> None:
         allocate(topo, Configuration.parse("5x2"))
 
 
-def test_thread_env() -> None:
-    env = thread_env(4)
-    assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == env["OPENBLAS_NUM_THREADS"] == "4"
-    assert all(isinstance(v, str) for v in env.values())
-    with pytest.raises(ValueError):
-        thread_env(0)
-
-
-def test_pin_current_process_in_a_child() -> None:
-    """The parent sets the environment, the child pins itself: as workers do."""
-    cpu = min(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
-    code = (
-        "import os, json; from workers.allocation import pin_current_process; "
-        f"done = pin_current_process([{cpu}], 1, configure_torch=False); "
-        "print(json.dumps([sorted(os.sched_getaffinity(0)), os.environ['OMP_NUM_THREADS'], done['pinned']]))"
-    )
-    env = {**os.environ, **thread_env(1), "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == f"[[{cpu}], \"1\", true]"
-
-
-@pytest.mark.slow
-def test_pin_sets_torch_threads_in_a_child() -> None:
-    pytest.importorskip("torch")
-    cpu = min(os.sched_getaffinity(0))
-    code = (
-        "from workers.allocation import pin_current_process; import torch; "
-        f"d = pin_current_process([{cpu}], 1); "
-        "print(torch.get_num_threads(), torch.get_num_interop_threads(), d['torch'])"
-    )
-    env = {**os.environ, **thread_env(1), "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["1", "1", "True"]
-
-
-def test_pin_to_no_cpu_is_an_error() -> None:
-    with pytest.raises(ValueError):
-        pin_current_process([], 1, configure_torch=False)

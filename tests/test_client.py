@@ -18,7 +18,7 @@ from packrat_mq.deployment import Deployment, InstanceRecord
 from packrat_mq.keys import WORKER_GROUP
 from packrat_mq.settings import Settings
 from packrat_mq.zoo.testing import EchoHandler
-from workers.worker import Worker, WorkerSpec, build_context
+from workers.worker import Worker, WorkerSpec
 
 MODEL = "echo"
 
@@ -40,7 +40,7 @@ def service(r: redis.Redis, redis_url: str, settings: Settings) -> Iterator[Disp
     for inst in dep.instances:
         spec = WorkerSpec(url=redis_url, settings=settings, model=MODEL, handler="echo", instance_id=inst.id, batch=2)
         handler = EchoHandler()
-        handler.initialize(build_context(spec))
+        handler.initialize(spec.context())
         w = Worker(connect(redis_url), spec, handler)
         ensure_group(w.r, w.queue, WORKER_GROUP)
         # Shorter blocking reads than the default 1 s, so stopping is quick.

@@ -27,7 +27,7 @@ from packrat_mq.keys import DISPATCHER_GROUP, WORKER_GROUP
 from packrat_mq.settings import Settings
 from packrat_mq.streams import ensure_group
 from packrat_mq.zoo.testing import EchoHandler
-from workers.worker import Worker, WorkerSpec, build_context
+from workers.worker import Worker, WorkerSpec
 
 MODEL = "m"
 
@@ -36,7 +36,7 @@ MODEL = "m"
 def make_worker(r: redis.Redis, settings: Settings, handler: BaseHandler | None = None, iid: str = "i0") -> Worker:
     spec = WorkerSpec(url=settings.redis_url or "", settings=settings, model=MODEL, handler="echo", instance_id=iid)
     handler = handler or EchoHandler()
-    handler.initialize(build_context(spec))
+    handler.initialize(spec.context())
     w = Worker(r, spec, handler)
     ensure_group(r, w.queue, WORKER_GROUP)
     return w

@@ -17,7 +17,7 @@ from packrat_mq.handler import BaseHandler, Context
 from packrat_mq.keys import WORKER_GROUP
 from packrat_mq.settings import Settings
 from packrat_mq.zoo.testing import EchoHandler, SleepHandler
-from workers.worker import Worker, WorkerSpec, build_context
+from workers.worker import Worker, WorkerSpec
 
 MODEL = "m"
 #: The reply stream of this test's requests, under its own key prefix (set below).
@@ -53,7 +53,7 @@ def make_worker(
         url=settings.redis_url or "", settings=settings, model=MODEL, handler="echo", instance_id=instance_id, **kw
     )
     handler = handler or Counting()
-    handler.initialize(build_context(spec))
+    handler.initialize(spec.context())
     w = Worker(r, spec, handler)
     ensure_group(r, w.queue, WORKER_GROUP)
     return w
@@ -325,7 +325,7 @@ def test_run_loop_registers_serves_and_stops(r: redis.Redis, settings: Settings)
 def test_build_context_carries_the_spec(settings: Settings) -> None:
     spec = WorkerSpec(url="redis://x", settings=settings, model="m", handler="echo", instance_id="i7",
                       threads=4, batch=8, cpus=[2, 3, 4, 5], options={"k": 1})
-    ctx = build_context(spec)
+    ctx = spec.context()
     assert isinstance(ctx, Context)
     assert (ctx.model_name, ctx.instance_id, ctx.threads, ctx.batch_size) == ("m", "i7", 4, 8)
     assert ctx.cores == (2, 3, 4, 5) and ctx.options == {"k": 1}

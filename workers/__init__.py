@@ -1,8 +1,4 @@
-"""Worker side: where instances may run (topology), which cores each gets
-(allocation), and the processes that serve sub-batches on them.
-
-Threads are set by the parent, before torch is imported: the supervisor
-allocates cores, puts :func:`workers.allocation.thread_env` into the child's
-environment, and the child pins itself with
-:func:`workers.allocation.pin_current_process` before it loads a model.
-"""
+"""The processes of a node: the supervisor that owns them and their cores
+(``supervisor``, ``allocation``), how a model-running process is started
+(``launch``) and becomes a ready instance (``runtime``), and the worker loop
+that serves sub-batches (``worker``)."""

@@ -1,4 +1,4 @@
-"""Which physical cores each instance of a configuration runs on, and how it pins itself.
+"""Which physical cores each instance of a configuration runs on.
 
 Every instance gets ``t`` whole, consecutive physical cores of *one* socket
 (its threads then share that socket's caches and memory controller, and two
@@ -12,18 +12,14 @@ large instance. When that heuristic fails although the cores would suffice, a
 small exact search over socket capacities decides, so an allocation error
 always means the configuration really does not fit.
 
-Threads are set by the parent, before torch is imported: the parent puts
-:func:`thread_env` into the child's environment (OpenMP/MKL read it once, at
-load), and the child calls :func:`pin_current_process` before loading a model.
+The supervisor allocates; the instance pins itself to what it was given
+(:mod:`workers.runtime`).
 """
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Iterable
+from typing import Any
 
 from packrat_mq.instances import Configuration, InstanceSpec
 from packrat_mq.topology import Topology, format_cpulist
@@ -176,70 +172,3 @@ def _sockets_text(topology: Topology) -> str:
         f"socket {s.id}: {len(s.cores)} cores, cpus {format_cpulist(c.cpu for c in s.cores)}"
         for s in topology.sockets
     )
-
-
-#: Environment variables that size the thread pools of the libraries torch
-#: and tokenizers load. They are read once, when the library initialises, so
-#: they must be in the child's environment before it imports torch.
-THREAD_ENV_VARS = (
-    "OMP_NUM_THREADS",
-    "MKL_NUM_THREADS",
-    "OPENBLAS_NUM_THREADS",
-    "BLIS_NUM_THREADS",
-    "VECLIB_MAXIMUM_THREADS",
-    "NUMEXPR_NUM_THREADS",
-    "RAYON_NUM_THREADS",
-)
-
-
-def thread_env(threads: int) -> dict[str, str]:
-    """Environment a parent gives a child that will run ``threads`` intra-op threads."""
-    if threads < 1:
-        raise ValueError(f"threads must be >= 1, got {threads}")
-    env = {name: str(threads) for name in THREAD_ENV_VARS}
-    # Spin-waiting OpenMP threads burn the cores of the instance next door
-    # between batches; passive waiting costs microseconds per batch.
-    env["OMP_WAIT_POLICY"] = "PASSIVE"
-    return env
-
-
-def pin_current_process(
-    cpus: Iterable[int], threads: int, *, configure_torch: bool | None = None
-) -> dict[str, Any]:
-    """Pin this process to ``cpus`` and size torch's thread pools; the child calls it first.
-
-    ``configure_torch``: ``True`` imports torch and sets its threads, ``False``
-    leaves torch alone (``echo``/``sleep`` workers should not pay for the
-    import), ``None`` (default) does it when torch is installed. Returns what
-    was done, for logs.
-    """
-    cpu_set = sorted(set(cpus))
-    if not cpu_set:
-        raise ValueError("pin_current_process needs at least one CPU")
-    done: dict[str, Any] = {"cpus": cpu_set, "threads": threads, "pinned": False, "torch": False}
-    if hasattr(os, "sched_setaffinity"):
-        try:
-            os.sched_setaffinity(0, cpu_set)
-        except OSError as exc:
-            raise OSError(
-                exc.errno,
-                f"cannot pin to cpus {format_cpulist(cpu_set)} (allowed: "
-                f"{format_cpulist(os.sched_getaffinity(0))}): {exc.strerror}",
-            ) from exc
-        done["pinned"] = True
-    if configure_torch is None:
-        configure_torch = "torch" in sys.modules or importlib.util.find_spec("torch") is not None
-    if configure_torch:
-        import torch
-
-        torch.set_num_threads(threads)
-        # One inter-op thread: the instances already are the parallelism
-        # across requests; a second pool would only compete for the same cores.
-        try:
-            torch.set_num_interop_threads(1)
-        except RuntimeError:
-            # Already set, or inter-op work already ran in this process;
-            # torch allows setting it once.
-            done["interop_unchanged"] = True
-        done["torch"] = True
-    return done

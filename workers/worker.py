@@ -1,10 +1,9 @@
 """A worker instance: one process, pinned to its cores, serving its own queue.
 
-Started by the pool (``python -m workers.worker``, its spec as JSON on stdin:
-never in argv, which any user can read in ``/proc``, as it holds the Redis
-URL with its password) with OMP/MKL thread variables already in its
-environment; it pins itself, loads the
-handler once, then loops: read a sub-batch, run it, and in one MULTI/EXEC
+Started by the supervisor (``python -m workers.worker``, its spec on stdin,
+its thread variables in its environment: see :mod:`workers.launch`); it
+becomes a ready instance with :func:`workers.runtime.start` (the same start
+the profiler measures), then loops: read a sub-batch, run it, and in one MULTI/EXEC
 send every reply, XACK and XDEL the sub-batch and wake the dispatcher. The
 transaction is what makes each request answered exactly once: a worker that
 dies before EXEC leaves the sub-batch pending, and its replacement (same
@@ -27,17 +26,20 @@ import socket
 import sys
 import threading
 import time
-from typing import Any
 
 import redis
-from pydantic import BaseModel, Field
 
-from packrat_mq import protocol, replies
+from packrat_mq import logs, protocol, replies
 from packrat_mq.backoff import Backoff
-from packrat_mq.handler import BaseHandler, Context, Input, Outcome, load_handler, run_batch
+from packrat_mq.connection import connect
+from packrat_mq.handler import BaseHandler, Input, Outcome, run_batch
 from packrat_mq.keys import WORKER_GROUP
-from packrat_mq.settings import Settings
+from packrat_mq.records import InstanceState
 from packrat_mq.recovery import recover
+from packrat_mq.settings import Settings
+from workers import runtime
+from workers.launch import read_spec
+from workers.runtime import RuntimeSpec
 
 log = logging.getLogger("packrat_mq.worker")
 
@@ -45,19 +47,11 @@ log = logging.getLogger("packrat_mq.worker")
 WAKEUP_CAP = 64
 
 
-class WorkerSpec(BaseModel):
-    """Everything a worker process needs, passed by the pool as JSON."""
+class WorkerSpec(RuntimeSpec):
+    """Everything a worker process needs: what it runs (:class:`RuntimeSpec`) and where it serves."""
 
     url: str
     settings: Settings
-    model: str
-    handler: str
-    instance_id: str
-    threads: int = 1
-    batch: int = 1
-    cpus: list[int] = Field(default_factory=list)
-    socket: int = 0
-    options: dict[str, Any] = Field(default_factory=dict)
     #: A sub-batch delivered this many times (its worker died each time) is
     #: answered with an error instead of being run again.
     max_deliveries: int = 3
@@ -69,7 +63,7 @@ class WorkerSpec(BaseModel):
 class Worker:
     """Consumes one instance queue with one handler."""
 
-    def __init__(self, r: redis.Redis, spec: WorkerSpec, handler: BaseHandler) -> None:
+    def __init__(self, r: redis.Redis, spec: WorkerSpec, handler: BaseHandler | None = None) -> None:
         self.r = r
         self.spec = spec
         self.handler = handler
@@ -88,20 +82,12 @@ class Worker:
         self._stopping.set()
 
     # --- live state -------------------------------------------------------
-    def record(self) -> dict[str, str | int | float]:
-        """The instance hash's fields (counters are HINCRBY'd where they change)."""
+    def record(self) -> InstanceState:
+        """This instance's live record (its counters are incremented where they change)."""
         s = self.spec
-        return {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "state": self._state,
-            "threads": s.threads,
-            "batch": s.batch,
-            "cpus": ",".join(map(str, s.cpus)),
-            "socket": s.socket,
-            "interval": self.settings.heartbeat_s,
-            "heartbeat": f"{time.time():.3f}",
-        }
+        return InstanceState(state=self._state, pid=os.getpid(), host=socket.gethostname(),
+                             interval=self.settings.heartbeat_s, heartbeat=time.time(), threads=s.threads,
+                             batch=s.batch, cpus=s.cpus, socket=s.socket)
 
     def register(self, state: str) -> None:
         """Write the whole record with a new state (and join the model's instance index)."""
@@ -112,7 +98,7 @@ class Worker:
         # The whole record every time, not only the heartbeat field: after a
         # Redis restart without persistence the next beat restores it.
         pipe = self.r.pipeline(transaction=False)
-        pipe.hset(self.instance_key, mapping=self.record())
+        self.record().save(pipe, self.instance_key)
         pipe.sadd(self.keys.instances(self.spec.model), self.spec.instance_id)
         pipe.execute()
         self._last_beat = time.monotonic()
@@ -176,8 +162,8 @@ class Worker:
         """After a failed iteration: see :func:`packrat_mq.recovery.recover`; then re-read pending work."""
         # A sub-batch read before the failure may still be pending here.
         self._recovering = True
-        delay = recover(self.r, exc, stream=self.queue, group=WORKER_GROUP, record_key=self.instance_key,
-                        rewrite_record=lambda: self.register(self._state), backoff=self.backoff,
+        delay = recover(self.r, exc, stream=self.queue, group=WORKER_GROUP, record=InstanceState,
+                        record_key=self.instance_key, interval=self.settings.heartbeat_s, rewrite_record=lambda: self.register(self._state), backoff=self.backoff,
                         who=f"instance {self.spec.instance_id}", log=log)
         self._stopping.wait(delay)
 
@@ -234,6 +220,7 @@ class Worker:
             positions.append(k)
         inference_ms = 0.0
         if items:
+            assert self.handler is not None, "no handler: serve after workers.runtime.start"
             result = run_batch(self.handler, items)
             inference_ms = result.inference_ms
             for k, outcome in zip(positions, result.outcomes):
@@ -278,7 +265,7 @@ class Worker:
         pipe.xdel(self.queue, entry_id)
         pipe.lpush(self.keys.wakeup(s.model), s.instance_id)
         pipe.ltrim(self.keys.wakeup(s.model), 0, WAKEUP_CAP - 1)
-        pipe.hincrby(self.instance_key, "batches", 1)
+        InstanceState.count(pipe, self.instance_key, "batches", interval=self.settings.heartbeat_s)
         results = replies.execute(pipe, f"instance {s.instance_id}")
         # The delivery scripts were queued first: their results come first.
         for (reply_to, group), res in zip(grouped.items(), results):
@@ -289,58 +276,16 @@ class Worker:
         self.batches += 1
 
 
-def build_context(spec: WorkerSpec) -> Context:
-    return Context(
-        model_name=spec.model,
-        instance_id=spec.instance_id,
-        threads=spec.threads,
-        cores=tuple(spec.cpus),
-        batch_size=spec.batch,
-        graph_mode=spec.settings.graph_mode,
-        options=dict(spec.options),
-    )
-
-
-def read_spec(argv: list[str]) -> WorkerSpec:
-    """The spec from stdin (how the pool passes it), or from ``argv[0]`` when given (tests)."""
-    raw = argv[0] if argv else sys.stdin.read()
-    return WorkerSpec.model_validate_json(raw)
-
-
 def main(argv: list[str] | None = None) -> int:
-    spec = read_spec(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(
-        level=os.environ.get("PACKRAT_LOG_LEVEL", "INFO"),
-        format=f"%(asctime)s worker {spec.instance_id} %(levelname)s %(message)s",
-    )
-    from packrat_mq.connection import connect
-    from workers.allocation import pin_current_process
-
-    if spec.cpus:
-        pin_current_process(spec.cpus, spec.threads, configure_torch=False)
-    r = connect(spec.url)
-    handler = load_handler(spec.handler)
-    worker = Worker(r, spec, handler)
+    spec = WorkerSpec.model_validate_json(read_spec(sys.argv[1:] if argv is None else argv))
+    logs.configure(spec.settings, f"worker {spec.instance_id}")
+    worker = Worker(connect(spec.url), spec)
     worker.register("starting")
-    if "torch" in sys.modules:
-        # After the handler import: size torch's pools only when torch is used.
-        pin_current_process(spec.cpus or sorted(os.sched_getaffinity(0)), spec.threads, configure_torch=True)
-    handler.initialize(build_context(spec))
-    _warm_up(handler, spec.batch)
-
+    worker.handler = runtime.start(spec)
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())
     signal.signal(signal.SIGINT, lambda *_: worker.stop())
     worker.run()
     return 0
-
-
-def _warm_up(handler: BaseHandler, batch: int) -> None:
-    """One batch of the serving size before taking traffic (allocator, JIT caches)."""
-    try:
-        items = handler.example_batch(batch)
-    except NotImplementedError:
-        return
-    run_batch(handler, items)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 States are shown as the heartbeats allow: a process whose record says
 ``ready`` but whose heartbeat is older than three intervals is shown as
-``stale`` (see ``packrat_mq.liveness``), never as ready.
+``stale`` (see ``packrat_mq.records``), never as ready.
 """
 from __future__ import annotations
 
@@ -17,8 +17,18 @@ from packrat_mq.cli.helpers import connect_or_fail, echo_json, redis_options
 from packrat_mq.connection import redact
 from packrat_mq.deployment import Deployment
 from packrat_mq.keys import Keys
-from packrat_mq.liveness import decode_float, effective_state
+from packrat_mq.records import DispatcherState, InstanceState, LiveRecord, SupervisorState
 from packrat_mq.settings import Settings
+
+
+def _process(record: LiveRecord | None, now: float) -> dict[str, Any]:
+    """What every supervised process shows: state as its heartbeat allows, pid, counters."""
+    if record is None:
+        return {"state": "gone", "pid": None, "host": None, "restarts": 0, "loop_errors": 0,
+                "groups_recreated": 0, "heartbeat_age_s": None}
+    return {"state": record.effective_state(now), "pid": record.pid, "host": record.host or None,
+            "restarts": record.restarts, "loop_errors": record.loop_errors,
+            "groups_recreated": record.groups_recreated, "heartbeat_age_s": record.heartbeat_age(now)}
 
 
 def collect_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
@@ -39,39 +49,33 @@ def collect_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
             "generation": deployment.generation if deployment else None,
             "predicted_latency_ms": deployment.predicted_latency_ms if deployment else None,
             "instances": [],
+            "supervisors": [],
         }
-        d = {k.decode(): v.decode() for k, v in r.hgetall(keys.dispatcher(model)).items()}
-        beat = decode_float(d.get("heartbeat"))
-        entry["dispatcher"] = {
-            "state": effective_state(d.get("state"), beat, decode_float(d.get("interval")), now) if d else "none",
-            "pid": int(d["pid"]) if d.get("pid") else None,
-            "host": d.get("host"),
-            "batches": int(d.get("batches") or 0),
-            "restarts": int(d.get("restarts") or 0),
-            "loop_errors": int(d.get("loop_errors") or 0),
-            "groups_recreated": int(d.get("groups_recreated") or 0),
-            "max_backlog": int(d["max_backlog"]) if d.get("max_backlog") else None,
-            "heartbeat_age_s": round(now - beat, 3) if beat else None,
-        }
-        ids = sorted(i.decode() for i in r.smembers(keys.instances(model)))
-        for iid in ids:
-            h = {k.decode(): v.decode() for k, v in r.hgetall(keys.instance(model, iid)).items()}
-            beat = decode_float(h.get("heartbeat"))
+        d = DispatcherState.load(r, keys.dispatcher(model))
+        entry["dispatcher"] = {**_process(d, now), "batches": d.batches if d else 0,
+                               "max_backlog": d.max_backlog if d else None}
+        if d is None:
+            entry["dispatcher"]["state"] = "none"
+        for iid in sorted(i.decode() for i in r.smembers(keys.instances(model))):
+            h = InstanceState.load(r, keys.instance(model, iid))
             entry["instances"].append({
                 "id": iid,
-                "state": effective_state(h.get("state"), beat, decode_float(h.get("interval")), now),
-                "pid": int(h["pid"]) if h.get("pid") else None,
-                "host": h.get("host"),
-                "threads": int(h.get("threads") or 0),
-                "batch": int(h.get("batch") or 0),
-                "cpus": h.get("cpus", ""),
-                "socket": int(h.get("socket") or 0),
+                **_process(h, now),
+                "threads": h.threads if h else 0,
+                "batch": h.batch if h else 0,
+                "cpus": ",".join(map(str, h.cpus)) if h else "",
+                "socket": h.socket if h else 0,
                 "queue": r.xlen(keys.queue(model, iid)),
-                "batches": int(h.get("batches") or 0),
-                "restarts": int(h.get("restarts") or 0),
-                "loop_errors": int(h.get("loop_errors") or 0),
-                "groups_recreated": int(h.get("groups_recreated") or 0),
-                "heartbeat_age_s": round(now - beat, 3) if beat else None,
+                "batches": h.batches if h else 0,
+            })
+        for node in sorted(n.decode() for n in r.smembers(keys.supervisors(model))):
+            sup = SupervisorState.load(r, keys.supervisor(model, node))
+            entry["supervisors"].append({
+                "node": node,
+                **_process(sup, now),
+                "generation": sup.generation if sup else None,
+                "instances": sup.instances if sup else [],
+                "with_dispatcher": sup.with_dispatcher if sup else None,
             })
         out["models"].append(entry)
     return out
@@ -105,6 +109,10 @@ def render(doc: dict[str, Any], prefix: str) -> str:
         lines.append(f"  {'dispatcher':<24} {d['state']:<10} pid {d['pid'] or '-':<7} batches {d['batches']}  "
                      f"restarts {d['restarts']}  " + _troubles(d) +
                      f"heartbeat {d['heartbeat_age_s'] if d['heartbeat_age_s'] is not None else '-'} s ago")
+        for sup in m.get("supervisors", []):
+            lines.append(f"  {'supervisor ' + sup['node']:<24} {sup['state']:<10} pid {sup['pid'] or '-':<7} "
+                         f"generation {sup['generation']}  " + _troubles(sup)
+                         + f"heartbeat {sup['heartbeat_age_s'] if sup['heartbeat_age_s'] is not None else '-'} s ago")
         for i in m["instances"]:
             age = i["heartbeat_age_s"]
             lines.append(f"  {i['id']:<24} {i['state']:<10} pid {i['pid'] or '-':<7} {i['threads']}x{i['batch']:<4} "

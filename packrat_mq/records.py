@@ -1,0 +1,177 @@
+"""Live state in Redis: the typed records of instances, dispatchers and supervisors.
+
+Each record is a pydantic model written and read only here, after rq's
+``Worker.serialize()``/``refresh()``: :meth:`LiveRecord.save` writes the
+whole record and renews its TTL, :meth:`LiveRecord.load` reads it back,
+:meth:`LiveRecord.count` increments one of its counters (counters are
+incremented where they change and never overwritten by a save), and
+:meth:`LiveRecord.mark` changes its state. Every write renews the TTL, so the
+record of a process that is gone (a SIGKILLed supervisor and its children)
+disappears by itself a few heartbeats later.
+
+A record whose heartbeat is older than :data:`STALE_AFTER` intervals belongs
+to a process that is gone or hung, whatever its ``state`` field still says:
+:meth:`LiveRecord.effective_state` reads it as ``stale``, ``status`` shows it
+so and the dispatcher sends it nothing. Ages are measured with the reader's
+clock against the writer's: the processes of one deployment are expected to
+share a clock (one host, or NTP-synchronised hosts).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import redis
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+#: Heartbeat intervals after which a record is stale.
+STALE_AFTER = 3.0
+#: Heartbeat intervals after which a record no one renews expires.
+EXPIRE_AFTER = 30.0
+#: Shortest TTL, so that a supervisor backing off a crash loop (up to 30 s
+#: between restarts) keeps the record of the instance it is restarting.
+MIN_TTL_S = 60
+#: States written by a live process that a stale heartbeat contradicts.
+LIVE_STATES = ("starting", "ready")
+
+
+def ttl_for(interval_s: float) -> int:
+    """Seconds a record lives without being written again."""
+    return max(MIN_TTL_S, math.ceil(EXPIRE_AFTER * interval_s))
+
+
+class LiveRecord(BaseModel):
+    """What every supervised process says about itself."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    #: Incremented with :meth:`count`, never written by :meth:`save`.
+    COUNTERS: ClassVar[tuple[str, ...]] = ("restarts", "loop_errors", "groups_recreated")
+    #: List fields, stored comma-separated, and their item type.
+    LISTS: ClassVar[dict[str, type]] = {}
+
+    state: str = "starting"
+    pid: int | None = None
+    host: str = ""
+    #: Seconds between heartbeats, as the writer was configured.
+    interval: float = 1.0
+    #: Wall-clock time of the last write (``time.time()``); 0 when never written.
+    heartbeat: float = 0.0
+    restarts: int = 0
+    loop_errors: int = 0
+    groups_recreated: int = 0
+
+    # --- writing ------------------------------------------------------
+    def fields(self) -> dict[str, str]:
+        """The hash fields :meth:`save` writes (every field but the counters)."""
+        out: dict[str, str] = {}
+        for name, value in self.model_dump().items():
+            if name in self.COUNTERS or value is None:
+                continue
+            if isinstance(value, bool):
+                value = int(value)
+            elif isinstance(value, (list, tuple)):
+                value = ",".join(map(str, value))
+            out[name] = str(value)
+        return out
+
+    def save(self, r: Any, key: str) -> None:
+        """Write the whole record (but its counters) and renew its TTL; ``r`` may be a pipeline."""
+        r.hset(key, mapping=self.fields())
+        r.expire(key, ttl_for(self.interval))
+
+    @classmethod
+    def count(cls, r: Any, key: str, counter: str, n: int = 1, *, interval: float = 1.0) -> None:
+        """Increment ``counter`` by ``n`` and renew the TTL; ``r`` may be a pipeline."""
+        if counter not in cls.COUNTERS:
+            raise ValueError(f"{cls.__name__} has no counter {counter!r}")
+        r.hincrby(key, counter, n)
+        r.expire(key, ttl_for(interval))
+
+    @classmethod
+    def mark(cls, r: Any, key: str, state: str, *, interval: float = 1.0) -> None:
+        """Set the state alone (a supervisor about to restart the process) and renew the TTL."""
+        r.hset(key, "state", state)
+        r.expire(key, ttl_for(interval))
+
+    # --- reading ------------------------------------------------------
+    @classmethod
+    def parse(cls, raw: Mapping[bytes | str, bytes | str]) -> Any:
+        """A record from a hash as HGETALL returns it; ``None`` when empty.
+
+        An unreadable field (a record written by another version) is left at
+        its default rather than losing the whole record.
+        """
+        if not raw:
+            return None
+        data: dict[str, Any] = {}
+        for k, v in raw.items():
+            name = k.decode() if isinstance(k, bytes) else k
+            data[name] = v.decode(errors="replace") if isinstance(v, bytes) else v
+        for name, item in cls.LISTS.items():
+            if name in data:
+                data[name] = _split(str(data[name]), item)
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            bad = {str(e["loc"][0]) for e in exc.errors() if e["loc"]}
+            return cls.model_validate({k: v for k, v in data.items() if k not in bad})
+
+    @classmethod
+    def load(cls, r: redis.Redis, key: str) -> Any:
+        """The record at ``key``, or ``None`` when there is none (never written, or expired)."""
+        return cls.parse(r.hgetall(key))
+
+    def effective_state(self, now: float) -> str:
+        """``state``, or ``stale`` when a live state's heartbeat is too old to believe."""
+        if self.state in LIVE_STATES:
+            beat_every = self.interval if self.interval > 0 else 1.0
+            if self.heartbeat <= 0 or now - self.heartbeat > STALE_AFTER * beat_every:
+                return "stale"
+        return self.state
+
+    def heartbeat_age(self, now: float) -> float | None:
+        return round(now - self.heartbeat, 3) if self.heartbeat > 0 else None
+
+
+class InstanceState(LiveRecord):
+    """A worker instance (``<prefix>:instance:<model>:<id>``)."""
+
+    COUNTERS: ClassVar[tuple[str, ...]] = (*LiveRecord.COUNTERS, "batches")
+    LISTS: ClassVar[dict[str, type]] = {"cpus": int}
+
+    threads: int = 1
+    batch: int = 1
+    cpus: list[int] = []
+    socket: int = 0
+    batches: int = 0
+
+
+class DispatcherState(LiveRecord):
+    """The dispatcher of one model (``<prefix>:dispatcher:<model>``)."""
+
+    COUNTERS: ClassVar[tuple[str, ...]] = (*LiveRecord.COUNTERS, "batches")
+
+    #: The bound on the request stream this dispatcher enforces.
+    max_backlog: int | None = None
+    batches: int = 0
+
+
+class SupervisorState(LiveRecord):
+    """The supervisor of one model on one node (``<prefix>:supervisor:<model>:<node>``)."""
+
+    LISTS: ClassVar[dict[str, type]] = {"instances": str}
+
+    node: str = ""
+    generation: int = 1
+    #: Ids of the instances it runs.
+    instances: list[str] = []
+    with_dispatcher: bool = True
+
+
+def _split(text: str, item: type) -> list[Any]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if item is int:
+        return [int(p) for p in parts if p.lstrip("-").isdigit()]
+    return parts

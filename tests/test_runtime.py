@@ -1,0 +1,91 @@
+"""The instance runtime and how its process is launched: environment, pinning, torch pools."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from workers import runtime
+from workers.launch import instance_env, spawn, thread_env
+from workers.runtime import RuntimeSpec
+
+
+def test_thread_env() -> None:
+    env = thread_env(4)
+    assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == env["OPENBLAS_NUM_THREADS"] == "4"
+    assert all(isinstance(v, str) for v in env.values())
+    with pytest.raises(ValueError):
+        thread_env(0)
+
+
+def test_instance_env_keeps_model_loading_offline_unless_told_otherwise() -> None:
+    env = instance_env(2, base={"PATH": "/bin", "HF_HUB_OFFLINE": "0"})
+    assert env["PATH"] == "/bin" and env["OMP_NUM_THREADS"] == "2"
+    assert env["HF_HUB_OFFLINE"] == "0"  # the operator's choice stands
+    assert env["TRANSFORMERS_OFFLINE"] == "1"
+
+
+def _run_child(code: str, spec: dict, threads: int = 1) -> str:
+    """Start ``python -c code`` the way instances start: spec on stdin, thread env set."""
+    proc = subprocess.Popen([sys.executable, "-c", code], env=instance_env(threads), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(json.dumps(spec) + "\n", timeout=120)
+    assert proc.returncode == 0, out
+    return out.strip()
+
+
+def test_start_pins_and_initialises_an_instance_in_a_child() -> None:
+    """The parent sets the environment, the child pins itself and loads: as workers and the profiler do."""
+    cpu = min(os.sched_getaffinity(0))
+    code = (
+        "import os, sys, json; from workers import runtime; from workers.launch import read_spec; "
+        "spec = runtime.RuntimeSpec.model_validate_json(read_spec([])); h = runtime.start(spec); "
+        "print(json.dumps([sorted(os.sched_getaffinity(0)), os.environ['OMP_NUM_THREADS'], "
+        "h.initialized, h.context.batch_size, 'torch' in sys.modules]))"
+    )
+    spec = RuntimeSpec(model="echo", handler="echo", instance_id="t0", threads=1, batch=2, cpus=[cpu])
+    assert json.loads(_run_child(code, spec.model_dump())) == [[cpu], "1", True, 2, False]
+
+
+@pytest.mark.slow
+def test_start_sizes_torch_pools_when_the_handler_uses_torch() -> None:
+    pytest.importorskip("torch")
+    cpu = min(os.sched_getaffinity(0))
+    code = (
+        "import torch; from workers import runtime; from workers.launch import read_spec; "
+        "spec = runtime.RuntimeSpec.model_validate_json(read_spec([])); runtime.pin(spec.cpus); "
+        "print(runtime.size_torch(spec.threads), torch.get_num_threads(), torch.get_num_interop_threads())"
+    )
+    spec = RuntimeSpec(model="m", handler="echo", instance_id="t0", threads=1, cpus=[cpu])
+    assert _run_child(code, spec.model_dump()).split() == ["True", "1", "1"]
+
+
+def test_size_torch_never_imports_torch() -> None:
+    code = "import sys; from workers import runtime; print(runtime.size_torch(2), 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_pin_to_no_cpu_is_an_error() -> None:
+    with pytest.raises(ValueError):
+        runtime.pin([])
+
+
+def test_spawn_passes_the_spec_on_stdin_not_argv() -> None:
+    proc = spawn("json.tool", '{"secret": "pw"}', stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    out = proc.stdout.read()
+    assert proc.wait(30) == 0
+    assert json.loads(out) == {"secret": "pw"}
+    assert "pw" not in " ".join(proc.args)
+
+
+def test_resize_retargets_a_loaded_handler_without_reloading() -> None:
+    handler = runtime.start(RuntimeSpec(model="echo", handler="echo", instance_id="t0", batch=1), warm_up=False)
+    eager = handler.model
+    runtime.resize(handler, eager, 8, graph_mode=False)
+    assert handler.context is not None and handler.context.batch_size == 8
+    assert handler.model is eager
