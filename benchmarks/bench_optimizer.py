@@ -11,10 +11,11 @@ max over repeats:
 - table build: ``Profile.table()`` from fresh entries (the one-off cost a
   newly loaded profile adds);
 - cached lookup: a repeated ``solve`` with the same profile, T and B;
-- the memoised textbook recursion (``solve_reference``) on the same problem,
-  where it finishes in reasonable time, and the speed-up over it measured in
-  the same run. At T=128, B=8192 it takes minutes, so a smaller case
-  (T=32, B=256) stands in unless ``--large-reference`` is given.
+- the memoised textbook recursion (``solve_reference``, kept in
+  ``tests/reference_solver.py``) on the same problem, where it finishes in
+  reasonable time, and the speed-up over it measured in the same run. At
+  T=128, B=8192 it takes minutes, so a smaller case (T=32, B=256) stands in
+  unless ``--large-reference`` is given.
 
 Targets: cold solve <= 20 ms at T=16, B=1024 and <= 5 s at T=128, B=8192;
 cached lookups in microseconds.
@@ -34,7 +35,9 @@ from typing import Any
 import numpy as np
 
 from optimizer.planning.profile import MachineInfo, Profile, ProfileEntry
-from optimizer.planning.solving import clear_cache, solve, solve_reference
+from optimizer.planning.solving import clear_cache, solve
+from packrat_mq.instances import Configuration
+from tests.reference_solver import solve_reference
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -125,13 +128,6 @@ def bench_case(name: str, T: int, B: int, reference: bool, target_ms: float | No
     return result
 
 
-def compact(groups: list[dict[str, int]]) -> str:
-    return ",".join(
-        f"{g['count']}*{g['threads']}x{g['batch']}" if g["count"] > 1 else f"{g['threads']}x{g['batch']}"
-        for g in groups
-    )
-
-
 def _row(case: dict[str, Any]) -> str:
     cold, build, cached = case["cold_solve_ms"], case["table_build_ms"], case["cached_lookup_us"]
     ref = case.get("reference_s")
@@ -169,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     for case in cases:
         print(_row(case))
     for case in cases:
-        print(f"  {case['name']}: {compact(case['instances'])} -> {case['predicted_latency_ms']:.2f} ms")
+        compact = Configuration.parse(case["configuration"]).compact()
+        print(f"  {case['name']}: {compact} -> {case['predicted_latency_ms']:.2f} ms")
 
     doc = {
         "benchmark": "optimizer (solve) on synthetic profiles",

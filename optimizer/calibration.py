@@ -9,13 +9,12 @@ wire format, and measures the batch latency the client sees: from sending the
 first request of a batch to receiving its last reply.
 
 The measured figures are stored in the profile (``calibrations``), and
-:func:`best_calibrated` lets later choices (``up``, ``optimize``) use the
-measured best for the same (T, B) instead of the prediction.
+``optimizer.planning.selection.best_calibrated`` lets later choices (``up``,
+``optimize``) use the measured best for the same (T, B) instead of the
+prediction.
 
-Candidates: the dynamic program returns only its optimum, so the candidate
-set is the optimum for every thread budget t <= T (idle threads included)
-plus every uniform configuration (i instances of t threads, B/i each) whose
-point is profiled, ranked by predicted latency.
+This module is the part that serves for real; which candidates to measure
+(``optimizer.planning.selection.candidates``) is pure planning and lives there.
 """
 from __future__ import annotations
 
@@ -28,9 +27,14 @@ from typing import Any
 import numpy as np
 
 from optimizer.planning.profile import Calibration, Profile
-from optimizer.planning.solving import InfeasibleError, solve
+from optimizer.planning.selection import candidates
+from optimizer.planning.solving import InfeasibleError
 from packrat_mq import protocol
+from packrat_mq.client import Client
+from packrat_mq.connection import connect
+from packrat_mq.handler import load_handler
 from packrat_mq.instances import Configuration
+from workers.supervisor import Supervisor
 from packrat_mq.settings import Settings
 
 
@@ -74,47 +78,8 @@ class Measured:
         return d
 
 
-def predicted_latency(profile: Profile, configuration: Configuration) -> float | None:
-    """The profile's prediction for a configuration: its slowest instance, if all are profiled."""
-    worst = 0.0
-    for inst in configuration.instances:
-        entry = profile.entry(inst.threads, inst.batch)
-        if entry is None:
-            return None
-        worst = max(worst, entry.mean_ms)
-    return worst
-
-
-def candidates(profile: Profile, threads: int, batch: int, k: int = 3) -> list[Configuration]:
-    """Up to ``k`` distinct configurations for (T, B), best predicted first."""
-    found: dict[tuple[tuple[int, int], ...], Configuration] = {}
-
-    def add(config: Configuration) -> None:
-        key = tuple(sorted((i.threads, i.batch) for i in config.instances))
-        if key not in found:
-            found[key] = config
-
-    for t in range(1, threads + 1):
-        try:
-            add(solve(profile, t, batch))
-        except InfeasibleError:
-            continue
-    for count in range(1, batch + 1):
-        if batch % count:
-            continue
-        for t in range(1, threads // count + 1):
-            config = Configuration.uniform(count, t, batch // count)
-            predicted = predicted_latency(profile, config)
-            if predicted is not None:
-                add(config.model_copy(update={"predicted_latency_ms": predicted}))
-    ranked = sorted(found.values(), key=lambda c: (c.predicted_latency_ms or float("inf"), c.threads, len(c.instances)))
-    return ranked[:k]
-
-
 def example_payloads(model: str, n: int) -> list[tuple[bytes, str]]:
     """``n`` wire payloads from the handler's own example inputs."""
-    from packrat_mq.handler import load_handler
-
     items = load_handler(model).example_batch(n)
     return [protocol.encode_payload(item.data) for item in items]
 
@@ -131,10 +96,6 @@ def measure_configuration(
     payloads: list[tuple[bytes, str]] | None = None,
 ) -> Measured:
     """Serve ``configuration`` for real and time ``rounds`` aggregated batches of B."""
-    from packrat_mq.client import Client
-    from packrat_mq.connection import connect
-    from packrat_mq.service import Service
-
     batch = configuration.batch
     payloads = payloads or example_payloads(model, batch)
     # A generous timeout: the batch is sent at once, so it is always full; the
@@ -142,7 +103,7 @@ def measure_configuration(
     settings = settings.model_copy(update={"batch_timeout_ms": 50.0})
     r = connect(url)
     result = Measured(configuration=configuration, predicted_ms=configuration.predicted_latency_ms)
-    with Service(r, settings, url, model, configuration, options=options):
+    with Supervisor(r, settings, url, model, configuration, options=options):
         client = Client(connect(url), prefix=settings.prefix)
         try:
             time_batches(client, model, payloads, result, rounds=rounds, warmup=warmup)
@@ -151,26 +112,26 @@ def measure_configuration(
     return result
 
 
-def time_batches(client: Any, model: str, payloads: list[tuple[bytes, str]], result: Measured, *,
+def time_batches(client: Client, model: str, payloads: list[tuple[bytes, str]], result: Measured, *,
                  rounds: int, warmup: int) -> Measured:
     """Send ``warmup + rounds`` batches of ``payloads`` at once; record each batch's latency.
 
-    Batch latency: from sending the first request to receiving the last reply,
-    what a caller waiting for the whole batch sees.
+    Each batch is timed by ``Client.time_batch``: from sending the first
+    request to receiving the last reply, what a caller waiting for the whole
+    batch sees.
     """
     content_type = payloads[0][1]
     if any(ctype != content_type for _, ctype in payloads):
         raise ValueError("example payloads of one batch must share a content type")
     for k in range(warmup + rounds):
-        start = time.time()
-        ids = client.send_many(model, [p for p, _ in payloads], content_type=content_type)
-        replies = client.gather(ids, timeout=600)
+        latency_ms, replies = client.time_batch(model, [p for p, _ in payloads], content_type=content_type,
+                                                timeout=600)
         failed = [rep.error for rep in replies if not rep.ok]
         if failed:
             result.error = f"{len(failed)} requests failed: {failed[0]}"
             return result
         if k >= warmup:
-            result.latencies_ms.append((max(rep.received_at for rep in replies) - start) * 1000.0)
+            result.latencies_ms.append(latency_ms)
     return result
 
 
@@ -215,13 +176,3 @@ def calibrate(
     profile.calibrations = kept
     best = min(measured, key=lambda m: m.p50_ms)
     return best.configuration.model_copy(update={"predicted_latency_ms": best.predicted_ms}), results
-
-
-def best_calibrated(profile: Profile, threads: int, batch: int) -> tuple[Configuration, Calibration] | None:
-    """The measured best configuration recorded for exactly (T, B), if calibrated."""
-    rows = [c for c in profile.calibrations if c.threads == threads and c.batch == batch and c.measured_p50_ms]
-    if not rows:
-        return None
-    best = min(rows, key=lambda c: c.measured_p50_ms or float("inf"))
-    config = Configuration.parse(best.configuration)
-    return config.model_copy(update={"predicted_latency_ms": best.predicted_ms}), best

@@ -178,5 +178,18 @@ class Client:
         """Send many requests at once and wait for all replies (in order)."""
         return self.gather(self.send_many(model, items, content_type=content_type), timeout=timeout)
 
+    def time_batch(
+        self, model: str, items: Iterable[Any], *, content_type: str | None = None, timeout: float = 60.0
+    ) -> tuple[float, list[Reply]]:
+        """Send ``items`` at once as one batch, wait for every reply; return (batch latency ms, replies).
+
+        Batch latency: from sending the first request to receiving the last
+        reply, what a caller waiting for the whole batch sees. Error replies
+        count as replies (check ``Reply.ok``); a missing one raises ``ReplyTimeout``.
+        """
+        start = time.time()  # the clock Reply.received_at is read with
+        replies = self.submit_many(model, items, content_type=content_type, timeout=timeout)
+        return (max((rep.received_at for rep in replies), default=start) - start) * 1000.0, replies
+
     def close(self) -> None:
         self.r.delete(self.reply_to)

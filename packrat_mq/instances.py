@@ -62,6 +62,17 @@ class Configuration(BaseModel):
             for (t, b), n in sorted(counts.items(), key=lambda kv: (-kv[0][0], -kv[0][1]))
         ]
 
+    def compact(self) -> str:
+        """Repeated instances counted, largest first: the form ``parse`` (and so ``--instances``) reads.
+
+        >>> Configuration.parse("2x4,4x8,2x4").compact()
+        '4x8,2*2x4'
+        """
+        return ",".join(
+            f"{g['count']}*{g['threads']}x{g['batch']}" if g["count"] > 1 else f"{g['threads']}x{g['batch']}"
+            for g in self.grouped()
+        )
+
     @classmethod
     def parse(cls, text: str) -> Configuration:
         """Parse ``"TxB,TxB,..."``; ``"NxTxB"`` or ``"N*TxB"`` repeats an instance N times.

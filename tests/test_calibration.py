@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from optimizer.calibration import best_calibrated, calibrate, candidates, predicted_latency
+from optimizer.calibration import calibrate
 from optimizer.planning.profile import Profile, ProfileEntry
+from optimizer.planning.selection import best_calibrated, candidates, predicted_latency
 from packrat_mq.cli import main
 from packrat_mq.instances import Configuration
 from packrat_mq.settings import Settings

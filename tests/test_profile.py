@@ -19,11 +19,15 @@ from optimizer.planning.profile import (
     Profile,
     ProfileEntry,
     ProfileError,
+    _machine_topology,
     as_table,
+    profile_filename,
+    profile_path,
     resolve_profile_path,
 )
 from packrat_mq.cli import main as cli_main
 from packrat_mq.cli.profile_cmd import profile as profile_group
+from tests.fake_sysfs import make_sysfs
 
 REPO_PROFILES = Path(__file__).resolve().parent.parent / "profiles"
 
@@ -180,6 +184,42 @@ def test_machine_info_current_reads_this_machine():
     assert f"{info.logical_cpus} CPUs" in summary and info.hostname in summary
 
 
+def test_machine_info_counts_cores_with_the_core_topology(tmp_path):
+    # Two sockets of 8 cores with hyper-threading: 16 physical cores of 32 CPUs,
+    # all of them counted whatever this process's cpuset is.
+    root = make_sysfs(tmp_path, sockets=2, cores=8, threads=2)
+    (root / "online").write_text("0-31\n")
+    topology = _machine_topology(root)
+    assert topology is not None
+    assert (len(topology.sockets), topology.physical_cores, topology.logical_cpus) == (2, 16, 32)
+    assert _machine_topology(tmp_path / "no-sysfs") is None  # a guess is not recorded
+    info = MachineInfo.current()
+    here = _machine_topology()
+    if here is not None:
+        assert (info.sockets, info.physical_cores) == (len(here.sockets), here.physical_cores)
+
+
+def test_profile_file_names():
+    assert profile_filename("toy") == "toy.json"
+    assert profile_filename("toy", graph=True) == "toy.graph.json"
+    assert profile_path("toy", True, "somewhere") == Path("somewhere/toy.graph.json")
+    assert profile_path("toy") == Path("profiles/toy.json")
+    with pytest.raises(ProfileError, match="model name"):
+        profile_filename("../toy")
+
+
+def test_resolve_profile_path_by_mode(tmp_path):
+    dirs = [tmp_path / "profiles"]
+    eager = make_profile().save(profile_path("toy", False, dirs[0]))
+    assert resolve_profile_path("toy", dirs) == eager
+    with pytest.raises(ProfileError, match=r"no graph-mode profile for model 'toy' \(toy\.graph\.json\)"):
+        resolve_profile_path("toy", dirs, graph=True)  # the eager one is not taken instead
+    graph = make_profile(mode="graph").save(profile_path("toy", True, dirs[0]))
+    assert resolve_profile_path("toy", dirs, graph=True) == graph
+    assert resolve_profile_path("toy", dirs) == eager
+    assert resolve_profile_path(eager, dirs, graph=True) == eager  # a path is used as given
+
+
 def test_resolve_profile_path(tmp_path, monkeypatch):
     prof = make_profile()
     saved = prof.save(tmp_path / "profiles" / "toy.json")
@@ -225,6 +265,17 @@ def test_import_then_show(tmp_path):
     doc = json.loads(result.output)
     assert doc["threads"] == [1, 12] and doc["batches"] == [1, 16]
     assert doc["latency_ms"] == [[10.0, 150.5], [None, 20.25]]
+
+
+def test_import_default_output_by_mode(tmp_path, monkeypatch):
+    csv_path = tmp_path / "m.csv"
+    csv_path.write_text("threads,batch_size,latency_ms\n1,1,10\n")
+    monkeypatch.chdir(tmp_path)
+    assert invoke("import", str(csv_path), "--model", "net").exit_code == 0
+    result = invoke("import", str(csv_path), "--model", "net", "--mode", "graph")
+    assert result.exit_code == 0, result.output
+    assert Profile.load(tmp_path / "profiles" / "net.json").mode == "eager"
+    assert Profile.load(tmp_path / "profiles" / "net.graph.json").mode == "graph"
 
 
 def test_import_errors_are_clean(tmp_path):

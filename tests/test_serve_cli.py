@@ -1,13 +1,15 @@
 """What `up` and `pool` decide before starting anything: names, configuration, profile."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import click
 import pytest
+from click.testing import CliRunner
 
-from optimizer.planning.profile import Profile, ProfileEntry
-from packrat_mq.cli.serve import choose_configuration, model_and_handler
+from optimizer.planning.profile import Profile, ProfileEntry, profile_path
+from packrat_mq.cli.serve import ServePlan, choose_configuration, model_and_handler, serving_options
 
 
 def test_model_and_handler() -> None:
@@ -50,3 +52,58 @@ def test_infeasible_batch_is_a_clear_error(tmp_path: Path) -> None:
     path = _profile(tmp_path)
     with pytest.raises(click.ClickException, match="optimizer"):
         choose_configuration("toy", None, 1, 3, str(path))
+
+
+@click.command()
+@serving_options
+def _plan_only(plan: ServePlan) -> None:
+    """What `up`/`pool` would serve, without starting anything."""
+    click.echo(json.dumps({"configuration": str(plan.configuration), "profile": plan.profile_path,
+                           "graph": plan.graph}))
+
+
+def _two_mode_profiles(root: Path, *, graph: bool = True) -> None:
+    """``profiles/toy.json`` (eager) and ``profiles/toy.graph.json``, which plan T=2, B=4 differently."""
+    eager = {(1, 2): 10.0, (2, 4): 12.0}  # two 1x2 instances win
+    traced = {(1, 2): 10.0, (2, 4): 6.0}  # one 2x4 instance wins
+    for mode, points in (("eager", eager), ("graph", traced)):
+        if mode == "graph" and not graph:
+            continue
+        Profile(model="toy", mode=mode, entries=tuple(ProfileEntry(threads=t, batch=b, mean_ms=ms)
+                                                      for (t, b), ms in points.items())
+                ).save(profile_path("toy", mode == "graph", root / "profiles"))
+
+
+def _plan(*args: str) -> tuple[dict, str]:
+    res = CliRunner().invoke(_plan_only, ["--model", "toy", *args])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout), res.stderr
+
+
+@pytest.mark.parametrize("mode, name, config", [
+    ("--graph", "toy.graph.json", "2x4"),
+    ("--eager", "toy.json", "1x2,1x2"),
+])
+def test_up_plans_from_the_profile_of_its_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               mode: str, name: str, config: str) -> None:
+    _two_mode_profiles(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    plan, note = _plan("-t", "2", "-b", "4", mode)
+    assert Path(plan["profile"]).name == name and plan["configuration"] == config
+    assert plan["graph"] == (mode == "--graph")
+    assert name in note  # the operator is told which file was used
+    plan, note = _plan("-i", "1x4", mode)  # by hand: the profile still splits partial batches
+    assert Path(plan["profile"]).name == name and name in note
+
+
+def test_graph_mode_does_not_plan_from_the_eager_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _two_mode_profiles(tmp_path, graph=False)
+    monkeypatch.chdir(tmp_path)
+    plan, note = _plan("-t", "2", "-b", "4", "--graph")
+    # As with no profile at all: one instance with every thread, said out loud.
+    assert plan == {"configuration": "2x4", "profile": None, "graph": True}
+    assert "no toy.graph.json profile" in note and "toy.json is an eager-mode profile, not used" in note
+    plan, _ = _plan("-i", "1x4", "--graph")
+    assert plan["profile"] is None
+    plan, _ = _plan("-t", "2", "-b", "4")
+    assert Path(plan["profile"]).name == "toy.json" and plan["configuration"] == "1x2,1x2"

@@ -14,8 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from optimizer.planning.profile import MachineInfo, Profile, ProfileEntry, ProfileError
-from optimizer.planning.solving import InfeasibleError, clear_cache, solve, solve_reference
+from optimizer.planning.solving import InfeasibleError, clear_cache, solve
 from packrat_mq.cli.optimize_cmd import optimize
+from packrat_mq.instances import Configuration
+from tests.reference_solver import solve_reference
 
 
 def brute_force(threads, batches, lat, T, B):
@@ -270,6 +272,13 @@ def test_optimize_text_by_model_name_and_default_threads(saved_profile, monkeypa
     assert "predicted latency: 7.000 ms" in result.output
     assert "on 4 threads" in result.output
     assert "configuration: 2x4,2x2" in result.output
+
+
+def test_configuration_compact_reads_back():
+    config = Configuration.parse("2x4,4x8,2x4")
+    assert config.compact() == "4x8,2*2x4"
+    assert Configuration.parse(config.compact()).grouped() == config.grouped()
+    assert Configuration.parse("1x1").compact() == "1x1"
 
 
 def test_optimize_errors_are_clean(saved_profile, tmp_path):

@@ -19,7 +19,6 @@ import importlib.metadata
 import json
 import math
 import os
-import re
 import socket
 import tempfile
 from collections.abc import Iterable, Sequence
@@ -39,15 +38,14 @@ from pydantic import (
 )
 
 from packrat_mq.instances import Configuration, ConfigurationError
+from packrat_mq.keys import check_model_name
+from packrat_mq.topology import DEFAULT_SYSFS_CPU, Topology, parse_cpulist
 
 #: Bumped when a change to the JSON layout would make older code misread a file.
 FORMAT_VERSION = 1
 
 #: Columns ``Profile.from_csv`` needs; any other column is ignored.
 CSV_COLUMNS = ("threads", "batch_size", "latency_ms")
-
-_MODEL_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
-
 
 class ProfileError(ValueError):
     """A profile that is missing, unreadable or inconsistent."""
@@ -73,7 +71,9 @@ class MachineInfo(BaseModel):
     @classmethod
     def current(cls) -> MachineInfo:
         """Describe this machine without importing torch (its import costs seconds)."""
-        cpu_model, sockets, physical = _cpu_topology()
+        topology = _machine_topology()
+        sockets = len(topology.sockets) if topology is not None else None
+        physical = topology.physical_cores if topology is not None else None
         if physical is None:
             try:
                 import psutil
@@ -86,7 +86,7 @@ class MachineInfo(BaseModel):
         except importlib.metadata.PackageNotFoundError:
             torch_version = None
         return cls(
-            cpu_model=cpu_model,
+            cpu_model=_cpu_model(),
             sockets=sockets,
             physical_cores=physical,
             logical_cpus=os.cpu_count(),
@@ -111,35 +111,35 @@ class MachineInfo(BaseModel):
         return ", ".join(parts)
 
 
-def _cpu_topology() -> tuple[str | None, int | None, int | None]:
-    """(cpu model, sockets, physical cores) from /proc/cpuinfo, else /sys topology; None if unknown."""
-    model: str | None = None
-    packages: set[str] = set()
-    cores: set[tuple[str, str]] = set()
+def _cpu_model() -> str | None:
+    """The CPU's model name from /proc/cpuinfo ("model name", or "Model" on ARM); None if unknown."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        text = ""
-    for block in text.split("\n\n"):
-        fields: dict[str, str] = {}
-        for line in block.splitlines():
-            key, sep, value = line.partition(":")
-            if sep:
-                fields[key.strip()] = value.strip()
-        model = model or fields.get("model name") or fields.get("Model") or None
-        if "physical id" in fields and "core id" in fields:
-            packages.add(fields["physical id"])
-            cores.add((fields["physical id"], fields["core id"]))
-    if not cores:  # e.g. ARM kernels omit physical/core id from cpuinfo
-        for cpu in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/topology"):
-            try:
-                pkg = (cpu / "physical_package_id").read_text().strip()
-                core = (cpu / "core_id").read_text().strip()
-            except OSError:
-                continue
-            packages.add(pkg)
-            cores.add((pkg, core))
-    return model, (len(packages) or None), (len(cores) or None)
+        return None
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() in ("model name", "Model") and value.strip():
+            return value.strip()
+    return None
+
+
+def _machine_topology(root: str | os.PathLike[str] = DEFAULT_SYSFS_CPU) -> Topology | None:
+    """The whole machine's sockets and cores, as ``packrat_mq.topology`` reads them.
+
+    Every online CPU counts, not only this process's cpuset: a profile records
+    the machine. None when sysfs has no topology: the fallback's "every CPU
+    is a core" is a guess, not a count worth recording in a profile.
+    """
+    try:
+        online: list[int] | None = parse_cpulist(Path(root, "online").read_text()) or None
+    except (OSError, ValueError):
+        online = None  # then the process's cpuset
+    try:
+        topology = Topology.from_sysfs(root, allowed=online)
+    except (OSError, ValueError):
+        return None
+    return topology if topology.source == "sysfs" else None
 
 
 class ProfileEntry(BaseModel):
@@ -290,9 +290,10 @@ class Profile(BaseModel):
     @field_validator("model")
     @classmethod
     def _model_name(cls, v: str) -> str:
-        if not _MODEL_NAME.match(v):
-            raise ProfileError(f"model name {v!r} must match {_MODEL_NAME.pattern}")
-        return v
+        try:
+            return check_model_name(v)
+        except ValueError as exc:
+            raise ProfileError(str(exc)) from None
 
     @field_validator("entries")
     @classmethod
@@ -534,9 +535,28 @@ def _explain(exc: ValidationError, data: object = None) -> str:
     return "; ".join(lines)
 
 
+def profile_filename(model: str, graph: bool = False) -> str:
+    """A profile's file name: ``<model>.json`` (eager) or ``<model>.graph.json`` (graph mode).
+
+    The one naming rule for profile files: the profiler, ``profile import`` and
+    every lookup (``resolve_profile_path``) use it. ``model`` is the profile's
+    model name (``ProfileError`` if it cannot be one).
+    """
+    try:
+        check_model_name(model)
+    except ValueError as exc:
+        raise ProfileError(str(exc)) from None
+    return f"{model}.graph.json" if graph else f"{model}.json"
+
+
+def profile_path(model: str, graph: bool = False, directory: str | os.PathLike[str] = "profiles") -> Path:
+    """``<directory>/<model>.json``, or ``<directory>/<model>.graph.json`` in graph mode."""
+    return Path(directory) / profile_filename(model, graph)
+
+
 def default_profile_dirs() -> list[Path]:
     """Where model names are looked up: ./profiles, then the repository's profiles/."""
-    dirs = [Path.cwd() / "profiles", Path(__file__).resolve().parent.parent / "profiles"]
+    dirs = [Path.cwd() / "profiles", Path(__file__).resolve().parents[2] / "profiles"]
     unique: list[Path] = []
     for d in dirs:
         if d.resolve() not in [u.resolve() for u in unique]:
@@ -545,24 +565,30 @@ def default_profile_dirs() -> list[Path]:
 
 
 def resolve_profile_path(
-    name_or_path: str | os.PathLike[str], search_dirs: Sequence[Path] | None = None
+    name_or_path: str | os.PathLike[str], search_dirs: Sequence[Path] | None = None, *, graph: bool = False
 ) -> Path:
-    """An existing file path as given, else a model name resolved to ``profiles/<model>.json``."""
+    """An existing file path as given, else a model name resolved to its profile in ``search_dirs``.
+
+    A model name finds ``profiles/<model>.json``, or ``profiles/<model>.graph.json``
+    with ``graph=True`` (see ``profile_filename``); the other mode's file is
+    never taken instead. A path is used as given, whatever mode it records.
+    """
     path = Path(name_or_path)
     if path.is_file():
         return path
     text = str(name_or_path)
     dirs = list(search_dirs) if search_dirs is not None else default_profile_dirs()
     looks_like_path = os.sep in text or "/" in text or text.endswith(".json")
-    if not looks_like_path and _MODEL_NAME.match(text):
-        for d in dirs:
-            candidate = d / f"{text}.json"
-            if candidate.is_file():
-                return candidate
     if looks_like_path:
         raise ProfileError(f"no profile file at {path}")
+    filename = profile_filename(text, graph)
+    for d in dirs:
+        candidate = d / filename
+        if candidate.is_file():
+            return candidate
     known = sorted({p.stem for d in dirs if d.is_dir() for p in d.glob("*.json")})
     raise ProfileError(
-        f"no profile for model {text!r} in {', '.join(str(d) for d in dirs)}"
+        f"no {'graph-mode ' if graph else ''}profile for model {text!r} ({filename}) "
+        f"in {', '.join(str(d) for d in dirs)}"
         + (f" (available: {', '.join(known)})" if known else " (no profiles there yet)")
     )

@@ -27,12 +27,11 @@ exact phases:
 
 Both run in ``O(log K * |sizes| * B)`` with each knapsack stage vectorised
 over ``b`` (a running minimum per residue class, see ``_cover``), independent
-of ``T``. ``solve_reference`` keeps the textbook recursion for tests and
-benchmarks.
+of ``T``. The textbook recursion, kept to check this solver against, is
+``tests/reference_solver.py`` (used by the tests and ``benchmarks/bench_optimizer``).
 """
 from __future__ import annotations
 
-import functools
 import math
 import operator
 import threading
@@ -44,7 +43,7 @@ import numpy as np
 from optimizer.planning.profile import LatencyTable, Profile, ProfileError, as_table, table_fingerprint
 from packrat_mq.instances import Configuration, InstanceSpec
 
-__all__ = ["InfeasibleError", "ProfileError", "clear_cache", "solve", "solve_reference"]
+__all__ = ["InfeasibleError", "ProfileError", "clear_cache", "solve"]
 
 #: Unreachable marker for the int64 knapsack; sums stay far below it (see ``_cover``).
 _INF = np.int64(2**62)
@@ -238,51 +237,3 @@ def _infeasible_message(table: LatencyTable, T: int, B: int) -> str:
     if need >= _UNREACHABLE:
         return f"{head}: no sum of those sizes equals {B}"
     return f"{head}: it needs at least {need} threads"
-
-
-def solve_reference(profile_or_table: ProfileLike, threads: int, batch: int) -> Configuration:
-    """The textbook recursion, memoised: for tests and benchmarks, not for serving.
-
-    ``best(t, b) = min over profiled (t', s) of max(L[t', s], best(t - t', b - s))``
-    with ``best(t, 0) = 0`` (left-over threads idle). It returns an optimal
-    latency but, unlike ``solve``, no particular one of several tied
-    configurations. The cache is filled bottom-up so recursion stays shallow.
-    """
-    table = _table_of(profile_or_table)
-    T, B = _check_budget(threads, batch)
-    t_idx, s_idx = np.nonzero(np.isfinite(table.latency_ms))
-    candidates = sorted(
-        (float(table.latency_ms[i, j]), int(table.threads[i]), int(table.batches[j]))
-        for i, j in zip(t_idx, s_idx)
-        if table.threads[i] <= T and table.batches[j] <= B
-    )
-
-    @functools.lru_cache(maxsize=None)
-    def best(t: int, b: int) -> tuple[float, tuple[int, int] | None]:
-        if b == 0:
-            return 0.0, None
-        result: tuple[float, tuple[int, int] | None] = (math.inf, None)
-        for lat, ct, cs in candidates:  # ascending latency: stop once none can improve
-            if lat >= result[0]:
-                break
-            if ct <= t and cs <= b:
-                value = max(lat, best(t - ct, b - cs)[0])
-                if value < result[0]:
-                    result = (value, (ct, cs))
-        return result
-
-    for b in range(B + 1):
-        for t in range(T + 1):
-            best(t, b)
-    latency, _ = best(T, B)
-    if math.isinf(latency):
-        raise InfeasibleError(_infeasible_message(table, T, B))
-    instances = []
-    t, b = T, B
-    while b:
-        _, step = best(t, b)
-        assert step is not None
-        instances.append(InstanceSpec(threads=step[0], batch=step[1]))
-        t, b = t - step[0], b - step[1]
-    instances.sort(key=lambda i: (-i.threads, -i.batch))
-    return Configuration(instances=tuple(instances), predicted_latency_ms=latency)

@@ -87,14 +87,6 @@ def to_json(config: Configuration) -> dict[str, Any]:
     return {"predicted_latency_ms": config.predicted_latency_ms, "instances": config.grouped()}
 
 
-def compact(config: Configuration) -> str:
-    """``2*4x16,8x32``: the form ``Configuration.parse`` (and so ``--config`` options) reads."""
-    return ",".join(
-        f"{g['count']}*{g['threads']}x{g['batch']}" if g["count"] > 1 else f"{g['threads']}x{g['batch']}"
-        for g in config.grouped()
-    )
-
-
 def describe(prof: Profile, config: Configuration, budget: int) -> str:
     groups = config.grouped()
     n = sum(g["count"] for g in groups)
@@ -104,7 +96,7 @@ def describe(prof: Profile, config: Configuration, budget: int) -> str:
         f"predicted latency: {config.predicted_latency_ms:.3f} ms "
         f"({config.threads} of {budget} threads, {n} instance{'s' if n != 1 else ''})"
     )
-    lines.append(f"configuration: {compact(config)}")
+    lines.append(f"configuration: {config.compact()}")
     return "\n".join(lines)
 
 

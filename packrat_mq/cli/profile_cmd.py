@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from optimizer.planning.profile import LatencyTable, Profile, ProfileError, resolve_profile_path
+from optimizer.planning.profile import LatencyTable, Profile, ProfileError, profile_path, resolve_profile_path
 
 
 def load_profile(ref: str) -> tuple[Path, Profile]:
@@ -68,7 +68,7 @@ def import_csv(
     except ProfileError as exc:
         raise click.ClickException(str(exc)) from None
     # Same file names as the profiler, so `optimize -p <model>` finds either.
-    output = output or Path("profiles") / f"{prof.model}{'.graph' if prof.mode == 'graph' else ''}.json"
+    output = output or profile_path(prof.model, graph=prof.mode == "graph")
     if output.exists() and not force:
         raise click.ClickException(f"{output} exists; pass --force to overwrite it")
     prof.save(output)

@@ -10,9 +10,12 @@ from typing import Any
 
 import click
 
+from optimizer.planning.profile import ProfileError
+from optimizer.planning.selection import choose, find_profile
 from packrat_mq.cli.helpers import connect_or_fail, err, parse_handler_options, redis_options, remember_url
 from packrat_mq.instances import Configuration, ConfigurationError
 from packrat_mq.settings import Settings
+from packrat_mq.topology import Topology
 
 
 @dataclass
@@ -42,12 +45,15 @@ def model_and_handler(model: str, name: str | None) -> tuple[str, str]:
 
 
 def choose_configuration(
-    model: str, instances: str | None, threads: int | None, batch: int | None, profile: str | None
+    model: str, instances: str | None, threads: int | None, batch: int | None, profile: str | None,
+    graph: bool = False,
 ) -> tuple[Configuration, str | None]:
     """The configuration to serve with, and the profile it came from (if any).
 
     ``--instances`` wins; otherwise :func:`optimizer.planning.selection.choose` decides
-    for ``--threads`` (default: the cores of one socket) and ``--batch``.
+    for ``--threads`` (default: the cores of one socket) and ``--batch``. Without
+    ``--profile`` the model's profile of the mode served in is used
+    (``profiles/<model>.graph.json`` with ``--graph``, else ``profiles/<model>.json``).
     """
     if instances:
         try:
@@ -55,19 +61,15 @@ def choose_configuration(
         except ConfigurationError as exc:
             raise click.BadParameter(str(exc), param_hint="--instances") from None
         # A hand-given configuration still has the profile split partial batches.
-        from optimizer.planning.profile import ProfileError
-        from optimizer.planning.selection import find_profile
-
         try:
-            path = find_profile(model, profile)
+            path = find_profile(model, profile, graph=graph)
         except ProfileError:
             raise click.BadParameter(f"no profile {profile!r}", param_hint="--profile") from None
+        if path is not None:
+            err(f"profile for splitting partial batches: {path}")
         return config, str(path) if path else None
-    from optimizer.planning.selection import choose
-    from packrat_mq.topology import Topology
-
     try:
-        choice = choose(model, threads or Topology.detect().max_cores_per_socket, batch or 1, profile)
+        choice = choose(model, threads or Topology.detect().max_cores_per_socket, batch or 1, profile, graph=graph)
     except ValueError as exc:
         raise click.ClickException(f"optimizer: {exc}") from None
     err(choice.note)
@@ -86,7 +88,8 @@ def serving_options(func: Callable[..., Any]) -> Callable[..., Any]:
                   help="Threads T for the optimizer (default: cores of one socket).")
     @click.option("--batch", "-b", type=click.IntRange(min=1), default=None,
                   help="Aggregated batch B for the optimizer (default 1).")
-    @click.option("--profile", default=None, help="Profile JSON (default: profiles/<model>.json).")
+    @click.option("--profile", default=None,
+                  help="Profile JSON (default: profiles/<model>.json, profiles/<model>.graph.json with --graph).")
     @click.option("--graph/--eager", default=False, show_default=True, help="TorchScript trace + freeze, or eager.")
     @click.option("--option", "-o", "option_pairs", multiple=True, metavar="KEY=VALUE",
                   help="Handler option (repeatable), e.g. -o base_ms=5 for sleep.")
@@ -101,7 +104,7 @@ def serving_options(func: Callable[..., Any]) -> Callable[..., Any]:
                 profile: str | None, graph: bool, option_pairs: tuple[str, ...], node: str | None,
                 name: str | None, exit_with_parent: bool, **kwargs: Any) -> Any:
         served, handler = model_and_handler(model, name)
-        config, profile_path = choose_configuration(served, instances, threads, batch, profile)
+        config, profile_path = choose_configuration(served, instances, threads, batch, profile, graph)
         plan = ServePlan(served, handler, config, profile_path, parse_handler_options(option_pairs), node, graph,
                          exit_with_parent)
         return func(*args, plan=plan, **kwargs)
