@@ -60,6 +60,11 @@ class Child:
 
     def start(self) -> None:
         self.process = spawn(self.module, self.spec_json, self.env)
+        if self.backoff.failures:
+            # Healthy means running: the healthy period starts now, not at the
+            # last death. Counted from the death, a crash loop's 30 s wait at
+            # the cap passed for 30 s healthy and the loop restarted at once.
+            self.backoff._last_failure = self.backoff.clock()
 
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -412,7 +417,12 @@ class Supervisor:
         pipe.execute()
 
     def __enter__(self) -> Supervisor:
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            # __exit__ does not run when __enter__ raises: stop what did start.
+            self.stop()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
