@@ -18,9 +18,11 @@ demo: install
 	$(PY) -m packrat_mq.cli.demo
 
 test: install
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
 test-fast: install
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -m "not slow"
 
 bench: install

@@ -14,7 +14,7 @@ Each configuration is served for real (embedded Redis, dispatcher, pinned
 worker processes) and timed over aggregated batches sent at once: batch
 latency is from the first request sent to the last reply received. Instances
 with the same thread counts are started once per model and given new batch
-shares per B (``Pool.reshare``), as a live re-split would do, so a model's
+shares per B (``Supervisor.reshare``), as a live re-split would do, so a model's
 weights load three times, not once per configuration.
 
 Run: ``python -m benchmarks.bench_configs [--models resnet50,bert] [--batches 1,2,4] [--rounds 10]``.
@@ -39,9 +39,9 @@ from optimizer.planning.solving import solve  # noqa: E402
 from packrat_mq.client import Client  # noqa: E402
 from packrat_mq.connection import EmbeddedRedis, connect  # noqa: E402
 from packrat_mq.instances import Configuration, InstanceSpec  # noqa: E402
-from packrat_mq.service import Service  # noqa: E402
 from packrat_mq.settings import Settings  # noqa: E402
 from packrat_mq.topology import Topology  # noqa: E402
+from workers.supervisor import Supervisor  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -75,7 +75,7 @@ def bench_model(url: str, model: str, threads: int, batches: list[int], rounds: 
     for thread_counts, runs in plans.items():
         first = runs[0][2]
         print(f"[{model}] starting instances with threads {list(thread_counts)}", file=sys.stderr, flush=True)
-        with Service(r, settings, url, model, first) as service:
+        with Supervisor(r, settings, url, model, first) as service:
             client = Client(connect(url), prefix=settings.prefix)
             done: dict[tuple[int, str], Measured] = {}
             for b, name, config in runs:
@@ -83,7 +83,7 @@ def bench_model(url: str, model: str, threads: int, batches: list[int], rounds: 
                 if same is not None:  # e.g. chosen == single-thread: one measurement serves both
                     measured[(b, name)] = same
                     continue
-                service.pool.reshare(config)
+                service.reshare(config)
                 m = Measured(configuration=config, predicted_ms=config.predicted_latency_ms)
                 time_batches(client, model, payloads[b], m, rounds=rounds, warmup=warmup)
                 measured[(b, name)] = done[(b, name)] = m

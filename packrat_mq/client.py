@@ -17,6 +17,7 @@ from typing import Any
 import redis
 
 from packrat_mq import protocol
+from packrat_mq.connection import connect
 from packrat_mq.keys import Keys
 
 
@@ -75,8 +76,6 @@ class Client:
 
     def __init__(self, r: redis.Redis | str, *, prefix: str = "packrat", client_id: str | None = None) -> None:
         if isinstance(r, str):
-            from packrat_mq.connection import connect
-
             r = connect(r)
         self.r = r
         self.keys = Keys(prefix)

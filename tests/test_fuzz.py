@@ -25,8 +25,8 @@ import pytest
 import redis
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
-from test_reliability import huge_npy_header
-from test_reliability_e2e import Up, wait_for
+from tests.test_reliability import huge_npy_header
+from tests.test_reliability_e2e import Up, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -46,7 +46,7 @@ def service(redis_url: str) -> Iterator[Up]:
         yield svc
     finally:
         svc.stop()
-        from conftest import delete_prefixed
+        from tests.conftest import delete_prefixed
 
         delete_prefixed(svc.r, prefix)
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import redis
 
-from redis_process import RedisProcess
+from tests.redis_process import RedisProcess
 
 pytestmark = [pytest.mark.timeout(180)]
 
@@ -118,7 +118,7 @@ def up(redis_url: str, prefix: str, r: redis.Redis) -> Iterator[Any]:
 
 def test_poison_requests_fail_alone_and_never_restart_a_worker(up: Any, prefix: str) -> None:
     """Deep JSON (RecursionError) and a .npy claiming 2**40 elements (MemoryError) once killed workers."""
-    from test_reliability import huge_npy_header
+    from tests.test_reliability import huge_npy_header
 
     svc = up("echo", "1x2,1x2")
     reply_to = f"{prefix}:replies:c"
@@ -194,7 +194,7 @@ def test_service_recovers_from_a_flushall(up: Any, prefix: str, r: redis.Redis) 
     """After FLUSHALL (or a Redis restart without persistence) groups, records and the deployment come back."""
     svc = up("echo", "1x1,1x1")
     # FLUSHALL would destroy the shared test server; deleting this prefix's keys is the same for the service.
-    from conftest import delete_prefixed
+    from tests.conftest import delete_prefixed
 
     delete_prefixed(r, prefix)
     reply_to = f"{prefix}:replies:c"

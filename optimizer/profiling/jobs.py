@@ -19,6 +19,7 @@ from __future__ import annotations
 import socket
 from typing import TYPE_CHECKING, Any
 
+from optimizer.planning.profile import profile_filename
 from optimizer.profiling.options import ProfilingError, ProfilingOptions, default_output, profile_name
 from optimizer.profiling.scheduler import profile_model
 from packrat_mq.keys import Keys
@@ -33,8 +34,7 @@ SERIALIZER = "rq.serializers.JSONSerializer"
 
 def result_name(options: ProfilingOptions) -> str:
     """Model part of the Redis result key: ``<model>`` or ``<model>.graph``."""
-    name = profile_name(options.model)
-    return f"{name}.graph" if options.graph else name
+    return profile_filename(profile_name(options.model), options.graph).removesuffix(".json")
 
 
 def profile_queue_name(node: str) -> str:

@@ -8,13 +8,21 @@ bad request's error reply and the service status.
 """
 from __future__ import annotations
 
-import logging
-import os
 import statistics
 import sys
 import time
 
 import numpy as np
+
+from optimizer.planning.selection import choose
+from packrat_mq import logs
+from packrat_mq.cli.status import collect_status
+from packrat_mq.client import Client
+from packrat_mq.connection import EmbeddedRedis, connect
+from packrat_mq.instances import Configuration
+from packrat_mq.settings import Settings
+from packrat_mq.topology import Topology
+from workers.supervisor import Supervisor
 
 SENTENCES = [
     "A man is eating food.",
@@ -28,7 +36,7 @@ SENTENCES = [
 ]
 
 
-def _bursts(client, batch: int, rounds: int = 20) -> tuple[list[float], float]:  # type: ignore[no-untyped-def]
+def _bursts(client: Client, batch: int, rounds: int = 20) -> tuple[list[float], float]:
     """Batch latencies (first send to last reply) of ``rounds`` bursts, and requests/s."""
     client.submit_many("minilm", [SENTENCES[i % len(SENTENCES)] for i in range(batch)], timeout=60)  # warm-up
     latencies = []
@@ -45,17 +53,6 @@ def _spread(values: list[float]) -> str:
 
 
 def main() -> int:
-    os.environ.setdefault("PACKRAT_LOG_LEVEL", "WARNING")  # worker processes inherit it
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from packrat_mq.cli.status import collect_status
-    from packrat_mq.client import Client
-    from packrat_mq.connection import EmbeddedRedis, connect
-    from packrat_mq.instances import Configuration
-    from packrat_mq.service import Service
-    from packrat_mq.topology import Topology
-    from packrat_mq.settings import Settings
-
-    from optimizer.planning.selection import choose
 
     threads = Topology.detect().max_cores_per_socket
     batch = 8
@@ -66,13 +63,17 @@ def main() -> int:
     with EmbeddedRedis() as server:
         print(f"embedded Redis: {server.url}")
         settings = Settings(redis_url=server.url, batch_timeout_ms=5.0)
+        if "log_level" not in settings.model_fields_set:
+            # Quiet unless asked: the demo prints what matters; its processes get the same level.
+            settings = settings.model_copy(update={"log_level": "WARNING"})
+        logs.configure(settings, "demo")
         r = connect(server.url)
         t0 = time.perf_counter()
-        with Service(r, settings, server.url, "minilm", config) as service:
-            print(f"{len(service.pool.instances)} instances ready in {time.perf_counter() - t0:.1f} s:")
-            for inst in service.pool.instances:
+        with Supervisor(r, settings, server.url, "minilm", config) as service:
+            print(f"{len(service.instances)} instances ready in {time.perf_counter() - t0:.1f} s:")
+            for inst in service.instances:
                 print(f"  {inst.record.id}: {inst.record.threads} thread(s), batch {inst.record.batch}, "
-                      f"cpus {inst.record.cpus}, pid {inst.process.pid if inst.process else '-'}")
+                      f"cpus {inst.record.cpus}, pid {inst.child.process.pid if inst.child.process else '-'}")
             client = Client(connect(server.url))
 
             print("\n== real embeddings: most similar sentence for each")
@@ -109,7 +110,7 @@ def main() -> int:
         baseline = Configuration.uniform(1, threads, batch)
         if str(baseline) != str(config):
             print(f"\n== the same bursts on one instance with all {threads} threads (the TorchServe default)")
-            with Service(r, settings, server.url, "minilm", baseline):
+            with Supervisor(r, settings, server.url, "minilm", baseline):
                 client = Client(connect(server.url))
                 base_batches, base_rate = _bursts(client, batch)
                 client.close()

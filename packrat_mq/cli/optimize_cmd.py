@@ -13,10 +13,13 @@ from typing import Any
 
 import click
 
+from optimizer.calibration import calibrate
 from optimizer.planning.profile import Profile, ProfileError
 from optimizer.planning.solving import InfeasibleError, solve
 from packrat_mq.cli.profile_cmd import load_profile
+from packrat_mq.connection import EmbeddedRedis
 from packrat_mq.instances import Configuration
+from packrat_mq.settings import Settings
 
 
 @click.command("optimize")
@@ -103,10 +106,6 @@ def describe(prof: Profile, config: Configuration, budget: int) -> str:
 def run_calibration(prof: Profile, path: Path, threads: int, batch: int, top_k: int, rounds: int,
                     redis_url: str | None, as_json: bool) -> Configuration:
     """Measure the top-k candidates side by side as served; report and record them; return the best."""
-    from optimizer.calibration import calibrate
-    from packrat_mq.connection import EmbeddedRedis
-    from packrat_mq.settings import Settings
-
     say = (lambda m: click.echo(m, err=True)) if as_json else click.echo
     embedded = None
     if redis_url is None:

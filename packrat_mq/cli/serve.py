@@ -2,20 +2,25 @@
 from __future__ import annotations
 
 import functools
-import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import click
 
+from dispatcher.dispatcher import run_dispatcher
+from dispatcher.partitioning import latency_from_profile
 from optimizer.planning.profile import ProfileError
 from optimizer.planning.selection import choose, find_profile
+from packrat_mq import logs
 from packrat_mq.cli.helpers import connect_or_fail, err, parse_handler_options, redis_options, remember_url
+from packrat_mq.connection import EmbeddedRedis, connect, discover_url
 from packrat_mq.instances import Configuration, ConfigurationError
+from packrat_mq.keys import check_model_name
 from packrat_mq.settings import Settings
 from packrat_mq.topology import Topology
+from workers.allocation import AllocationError
+from workers.supervisor import Supervisor
 
 
 @dataclass
@@ -35,8 +40,6 @@ class ServePlan:
 
 def model_and_handler(model: str, name: str | None) -> tuple[str, str]:
     """(served name, handler spec): ``--model pkg.mod:MyHandler`` is served as ``myhandler``."""
-    from packrat_mq.keys import check_model_name
-
     served = name or (model.rsplit(":", 1)[1].lower() if ":" in model else model)
     try:
         return check_model_name(served), model
@@ -112,20 +115,11 @@ def serving_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _logging(name: str) -> None:
-    logging.basicConfig(level=os.environ.get("PACKRAT_LOG_LEVEL", "INFO"),
-                        format=f"%(asctime)s {name} %(levelname)s %(message)s")
-
-
 def _run(settings: Settings, url: str, plan: ServePlan, *, with_dispatcher: bool) -> None:
     """Start the stack, supervise it until Ctrl-C/SIGTERM, stop it in order."""
-    from packrat_mq.connection import connect
-    from packrat_mq.service import Service
-    from workers.allocation import AllocationError
-
     config = plan.configuration
     try:
-        service = Service(connect(url), settings, url, plan.model, config, handler=plan.handler,
+        service = Supervisor(connect(url), settings, url, plan.model, config, handler=plan.handler,
                           options=plan.options, profile=plan.profile_path, node=plan.node,
                           with_dispatcher=with_dispatcher, exit_with_parent=plan.exit_with_parent)
     except AllocationError as exc:
@@ -133,9 +127,10 @@ def _run(settings: Settings, url: str, plan: ServePlan, *, with_dispatcher: bool
     click.echo(f"starting {plan.model}: {config} (B={config.batch}, {config.threads} threads"
                + (f", predicted {config.predicted_latency_ms:.2f} ms" if config.predicted_latency_ms else "") + ")")
     service.start()
-    for inst in service.pool.instances:
+    for inst in service.instances:
+        pid = inst.child.process.pid if inst.child.process else "-"
         click.echo(f"  instance {inst.record.id}: {inst.record.threads} threads, batch {inst.record.batch}, "
-                   f"cpus {inst.record.cpus}, pid {inst.process.pid if inst.process else '-'}")
+                   f"cpus {inst.record.cpus}, pid {pid}")
     click.echo(f"ready: XADD {settings.keys.requests(plan.model)} * id <id> reply_to <stream> payload <bytes> "
                f"content_type application/json   (Ctrl-C to stop)")
     try:
@@ -160,9 +155,7 @@ def up(settings: Settings, plan: ServePlan, batch_timeout_ms: float | None) -> N
       packrat-mq up --model resnet50 --threads 16 --batch 32      # optimizer picks
       packrat-mq up --model minilm -i 2*1x4 --redis-url redis://localhost:6379/0
     """
-    from packrat_mq.connection import EmbeddedRedis, discover_url
-
-    _logging("up")
+    logs.configure(settings, "up")
     updates: dict[str, Any] = {"graph_mode": plan.graph}
     if batch_timeout_ms is not None:
         updates["batch_timeout_ms"] = batch_timeout_ms
@@ -191,7 +184,7 @@ def pool(settings: Settings, plan: ServePlan) -> None:
     Example:
       packrat-mq pool --model resnet50 -i 4*4x8 --redis-url redis://redis:6379/0
     """
-    _logging("pool")
+    logs.configure(settings, "pool")
     settings = settings.model_copy(update={"graph_mode": plan.graph})
     _, url = connect_or_fail(settings)
     _run(settings, url, plan, with_dispatcher=False)
@@ -210,10 +203,7 @@ def dispatch(settings: Settings, model: str, batch_timeout_ms: float | None, pro
     Example:
       packrat-mq dispatch --model resnet50 --redis-url redis://redis:6379/0
     """
-    from dispatcher.dispatcher import run_dispatcher
-    from dispatcher.partitioning import latency_from_profile
-
-    _logging("dispatcher")
+    logs.configure(settings, f"dispatcher {model}")
     if batch_timeout_ms is not None:
         settings = settings.model_copy(update={"batch_timeout_ms": batch_timeout_ms})
     _, url = connect_or_fail(settings)

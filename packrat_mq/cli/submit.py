@@ -8,6 +8,7 @@ import click
 
 from packrat_mq import protocol
 from packrat_mq.cli.helpers import connect_or_fail, echo_json, redis_options
+from packrat_mq.client import Client, ReplyTimeout
 from packrat_mq.settings import Settings
 
 
@@ -41,8 +42,6 @@ def submit(
       packrat-mq submit -m minilm --text "A man is eating food." --json
       packrat-mq submit -m resnet50 --file image.npy
     """
-    from packrat_mq.client import Client, ReplyTimeout
-
     given = [x is not None for x in (data, text, file)]
     if sum(given) != 1:
         raise click.UsageError("give exactly one of --data, --text, --file")
