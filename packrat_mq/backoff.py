@@ -41,6 +41,15 @@ class Backoff:
             return min(self.cap, self.base * self.factor ** (self.failures - 2))
         return min(self.cap, self.base * self.factor ** (self.failures - 1))
 
+    def retrying(self) -> None:
+        """The retry starts now: the healthy period runs from here, not from the failure.
+
+        A supervisor calls it when it starts a dead process again; the wait
+        before the restart is not time the process ran healthy.
+        """
+        if self.failures:
+            self._last_failure = self.clock()
+
     def success(self) -> None:
         """Things work again: the next failure after ``healthy_s`` starts from the bottom."""
         if self.failures and self.clock() - self._last_failure >= self.healthy_s:

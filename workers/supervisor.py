@@ -60,11 +60,9 @@ class Child:
 
     def start(self) -> None:
         self.process = spawn(self.module, self.spec_json, self.env)
-        if self.backoff.failures:
-            # Healthy means running: the healthy period starts now, not at the
-            # last death. Counted from the death, a crash loop's 30 s wait at
-            # the cap passed for 30 s healthy and the loop restarted at once.
-            self.backoff._last_failure = self.backoff.clock()
+        # Healthy means running: counted from the death instead, a crash
+        # loop's 30 s wait at the cap would pass for 30 s healthy.
+        self.backoff.retrying()
 
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -362,6 +360,8 @@ class Supervisor:
         there for the next start; a queue that still holds sub-batches is
         kept for the next start of the same node and generation.
         """
+        if all(c.process is None for c in self.children):
+            return  # nothing was started (a start that failed at once): nothing to stop or retire
         if self.dispatcher is not None:
             self.dispatcher.terminate()
             self.dispatcher.wait_or_kill(time.monotonic() + timeout)
