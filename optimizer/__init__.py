@@ -1,7 +1,7 @@
-"""The Packrat optimizer: measured latency profiles and the solver that splits cores and batch.
+"""The Packrat optimizer: what one instance costs, and which instances to run.
 
-``profile`` holds what was measured (``L[t, b]`` per model and machine);
-``solving`` turns a profile, a core budget ``T`` and a batch ``B`` into the
-configuration of instances with the lowest predicted latency.
+``planning`` holds measured profiles (``L[t, b]`` per model and machine) and
+the solver that turns a profile, a core budget ``T`` and a batch ``B`` into
+the configuration with the lowest predicted latency; ``profiling`` measures
+profiles; ``calibration`` serves the best candidates for real to pick one.
 """
-from __future__ import annotations

@@ -25,6 +25,7 @@ import pytest
 import redis
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
+from packrat_mq.records import ttl_for
 from tests.test_reliability import huge_npy_header
 from tests.test_reliability_e2e import Up, wait_for
 
@@ -191,10 +192,15 @@ def test_hostile_entries_never_hurt_valid_requests_or_the_service(service: Up, e
     now["dispatcher"] = svc.dispatcher().get(b"pid")
     assert now == svc.pids  # type: ignore[attr-defined]
     assert svc.proc.poll() is None
-    # No key outside reply streams gained a TTL; keys of other types are untouched.
+    # No key outside reply streams gained a TTL (the live records carry their own, which no
+    # reply's TTL replaced); keys of other types are untouched.
+    records = tuple(f"{svc.prefix}:{kind}:" for kind in ("instance", "dispatcher", "supervisor"))
     for key in r.scan_iter(match=f"{svc.prefix}*", count=1000):
         name = key.decode("utf-8", "replace")
         if name.startswith((f"{svc.prefix}:replies:", f"{svc.other}:r:")):  # type: ignore[attr-defined]
+            continue
+        if name.startswith(records):
+            assert 0 < r.ttl(key) <= ttl_for(1.0), f"{name}: TTL {r.ttl(key)}"
             continue
         assert r.ttl(key) == -1, f"{name} gained a TTL"
     assert r.hgetall(f"{svc.other}:hash") == {b"k": b"v"}  # type: ignore[attr-defined]
