@@ -34,8 +34,8 @@ from packrat_mq.client import Client
 from packrat_mq.connection import connect
 from packrat_mq.handler import load_handler
 from packrat_mq.instances import Configuration
-from workers.supervisor import Supervisor
 from packrat_mq.settings import Settings
+from workers.supervisor import Supervisor
 
 
 @dataclass

@@ -163,7 +163,8 @@ class Worker:
         # A sub-batch read before the failure may still be pending here.
         self._recovering = True
         delay = recover(self.r, exc, stream=self.queue, group=WORKER_GROUP, record=InstanceState,
-                        record_key=self.instance_key, interval=self.settings.heartbeat_s, rewrite_record=lambda: self.register(self._state), backoff=self.backoff,
+                        record_key=self.instance_key, interval=self.settings.heartbeat_s,
+                        rewrite_record=lambda: self.register(self._state), backoff=self.backoff,
                         who=f"instance {self.spec.instance_id}", log=log)
         self._stopping.wait(delay)
 
