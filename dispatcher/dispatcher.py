@@ -166,7 +166,7 @@ class Dispatcher:
         instances = deployment.instances if deployment else []
         for inst in instances:
             pipe.xlen(self.keys.queue(self.model, inst.id))
-            pipe.hgetall(self.keys.instance(self.model, inst.id))
+            pipe.hmget(self.keys.instance(self.model, inst.id), *InstanceState.LIVENESS_FIELDS)
         raw, backlog, *rest = pipe.execute()
         if backlog > self.settings.max_backlog:
             self.shed(backlog - self.settings.max_backlog)
@@ -178,11 +178,10 @@ class Dispatcher:
         now = time.time()
         live: list[InstanceRecord] = []
         full = False
-        for inst, length, raw_record in zip(instances, rest[0::2], rest[1::2]):
-            record = InstanceState.parse(raw_record)
-            if record is not None:
-                if record.effective_state(now) != "ready":
-                    continue  # gone or restarting: its queue counts as full, the others go on
+        for inst, length, liveness in zip(instances, rest[0::2], rest[1::2]):
+            state = InstanceState.liveness(liveness, now)
+            if state is not None and state != "ready":
+                continue  # gone or restarting: its queue counts as full, the others go on
             # No record at all: nothing says it is gone; flow control still bounds its queue.
             live.append(inst)
             full = full or length > self.max_waiting
@@ -331,7 +330,7 @@ class Dispatcher:
         pipe.xdel(self.stream, *ids)
         pipe.hincrby(stats_key, "requests", len(accepted) + len(rejected))
         pipe.hincrby(stats_key, "batches", 1)
-        DispatcherState.count(pipe, self.keys.dispatcher(self.model), "batches", interval=self.settings.heartbeat_s)
+        DispatcherState.count(pipe, self.keys.dispatcher(self.model), "batches", renew=False)
         if rejected:
             pipe.hincrby(stats_key, "rejected", len(rejected))
         if unanswerable:

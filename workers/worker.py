@@ -266,7 +266,7 @@ class Worker:
         pipe.xdel(self.queue, entry_id)
         pipe.lpush(self.keys.wakeup(s.model), s.instance_id)
         pipe.ltrim(self.keys.wakeup(s.model), 0, WAKEUP_CAP - 1)
-        InstanceState.count(pipe, self.instance_key, "batches", interval=self.settings.heartbeat_s)
+        InstanceState.count(pipe, self.instance_key, "batches", renew=False)
         results = replies.execute(pipe, f"instance {s.instance_id}")
         # The delivery scripts were queued first: their results come first.
         for (reply_to, group), res in zip(grouped.items(), results):
