@@ -37,6 +37,16 @@ class Settings(BaseSettings):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
         default="INFO", description="Log level of every packrat-mq process."
     )
+    omp_wait_policy: Literal["ACTIVE", "PASSIVE"] | None = Field(
+        default=None,
+        description="OMP_WAIT_POLICY of every instance; unset keeps the OpenMP library's default (spin briefly, then sleep).",
+    )
+    gomp_spincount: int | None = Field(
+        default=None, ge=0, description="GOMP_SPINCOUNT of every instance (GNU OpenMP: spins before sleeping)."
+    )
+    kmp_blocktime_ms: int | None = Field(
+        default=None, ge=0, description="KMP_BLOCKTIME of every instance (Intel OpenMP: ms before sleeping)."
+    )
     max_backlog: int = Field(
         default=100_000,
         ge=1,

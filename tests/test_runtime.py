@@ -21,8 +21,17 @@ def test_thread_env() -> None:
         thread_env(0)
 
 
+def test_wait_policy_and_spin_times_are_settings() -> None:
+    from packrat_mq.settings import Settings
+
+    env = thread_env(2, Settings(omp_wait_policy="PASSIVE", gomp_spincount=1000, kmp_blocktime_ms=0))
+    assert (env["OMP_WAIT_POLICY"], env["GOMP_SPINCOUNT"], env["KMP_BLOCKTIME"]) == ("PASSIVE", "1000", "0")
+    assert "OMP_WAIT_POLICY" not in thread_env(2, Settings())
+
+
 def test_instance_env_keeps_model_loading_offline_unless_told_otherwise() -> None:
     env = instance_env(2, base={"PATH": "/bin", "HF_HUB_OFFLINE": "0"})
+    assert "OMP_WAIT_POLICY" not in env  # the library's default unless a setting says otherwise
     assert env["PATH"] == "/bin" and env["OMP_NUM_THREADS"] == "2"
     assert env["HF_HUB_OFFLINE"] == "0"  # the operator's choice stands
     assert env["TRANSFORMERS_OFFLINE"] == "1"

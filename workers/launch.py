@@ -18,6 +18,8 @@ import subprocess
 import sys
 from collections.abc import Mapping
 
+from packrat_mq.settings import Settings
+
 #: Thread-count variables read by OpenMP, MKL, OpenBLAS and friends at load time.
 THREAD_ENV_VARS = (
     "OMP_NUM_THREADS",
@@ -39,21 +41,32 @@ _OFFLINE_ENV = (
 )
 
 
-def thread_env(threads: int) -> dict[str, str]:
-    """The thread variables of a child that will run ``threads`` intra-op threads."""
+def thread_env(threads: int, settings: Settings | None = None) -> dict[str, str]:
+    """The thread variables of a child that will run ``threads`` intra-op threads.
+
+    How idle OpenMP threads wait is a setting (``omp_wait_policy``,
+    ``gomp_spincount``, ``kmp_blocktime_ms``); unset, the library's default
+    stands. Instances own their cores, so passive waiting protects no
+    neighbour, and on small batches it cost about 30% on one machine (see
+    docs/figures.md and ``benchmarks/bench_threads.py``).
+    """
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     env = {name: str(threads) for name in THREAD_ENV_VARS}
-    # Spin-waiting OpenMP threads burn the cores of the instance next door
-    # between batches; passive waiting costs microseconds per batch.
-    env["OMP_WAIT_POLICY"] = "PASSIVE"
+    if settings is not None:
+        for name, value in (("OMP_WAIT_POLICY", settings.omp_wait_policy),
+                            ("GOMP_SPINCOUNT", settings.gomp_spincount),
+                            ("KMP_BLOCKTIME", settings.kmp_blocktime_ms)):
+            if value is not None:
+                env[name] = str(value)
     return env
 
 
-def instance_env(threads: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
+def instance_env(threads: int, settings: Settings | None = None,
+                 base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The whole environment of a model-running child: ``base`` (default ours) plus threads and offline loading."""
     env = dict(os.environ if base is None else base)
-    env.update(thread_env(threads))
+    env.update(thread_env(threads, settings))
     for name, value in _OFFLINE_ENV:
         env.setdefault(name, value)
     return env

@@ -166,7 +166,7 @@ class Supervisor:
                           parent_pid=os.getpid())
         child = Child(name=f"instance {record.id}", module="workers.worker", spec_json=spec.model_dump_json(),
                       record_key=self.keys.instance(self.model, record.id), record=InstanceState,
-                      env=instance_env(a.threads))
+                      env=instance_env(a.threads, self.settings))
         return Instance(record=record, spec=spec, child=child)
 
     def _dispatcher(self) -> Child:

@@ -42,6 +42,7 @@ from pydantic import BaseModel
 from optimizer.profiling.options import ProfilingError, ProfilingOptions
 from optimizer.profiling.statistics import measure
 from packrat_mq.handler import BaseHandler, run_batch
+from packrat_mq.settings import Settings
 from workers import runtime
 from workers.launch import instance_env, read_spec, spawn
 from workers.runtime import RuntimeSpec
@@ -87,7 +88,8 @@ class ProfilingChild:
     def __init__(self, options: ProfilingOptions, threads: int, cpus: tuple[int, ...], socket: int = 0) -> None:
         self.options, self.threads, self.cpus = options, threads, cpus
         self.spec = ChildSpec.for_threads(options, threads, cpus, socket)
-        self.env = instance_env(threads)
+        # The thread environment a served instance gets from the same PACKRAT_* settings.
+        self.env = instance_env(threads, Settings())
         self.proc: subprocess.Popen[bytes] | None = None
         self.stderr = tempfile.TemporaryFile()
         self._buf = b""
