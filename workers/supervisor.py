@@ -219,12 +219,14 @@ class Supervisor:
         while pending:
             for child in list(pending):
                 assert child.process is not None
-                if child.process.poll() is not None:
-                    raise RuntimeError(f"{child.name} exited with code {child.process.returncode} "
-                                       "while starting; see its log above")
+                # The record first: a child that said ready and died since has
+                # started; restarting it is check()'s work, not a failed start.
                 record = child.record.load(self.r, child.record_key)
                 if record is not None and record.state == "ready" and record.pid == child.process.pid:
                     pending.remove(child)
+                elif child.process.poll() is not None:
+                    raise RuntimeError(f"{child.name} exited with code {child.process.returncode} "
+                                       "while starting; see its log above")
             if pending and time.monotonic() > deadline:
                 raise TimeoutError(f"not ready after {timeout:.0f} s: {', '.join(c.name for c in pending)}")
             if pending:
