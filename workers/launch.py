@@ -109,6 +109,10 @@ def spawn(
     return proc
 
 
-def read_spec(argv: list[str]) -> str:
-    """The child's side: its spec from the first line of stdin, or ``argv[0]`` when given (tests)."""
+def read_spec(argv: list[str] | None = None) -> str:
+    """The child's side: its spec from the first line of stdin, or ``argv[0]`` when given (tests).
+
+    ``argv`` defaults to the process's own arguments.
+    """
+    argv = sys.argv[1:] if argv is None else argv
     return argv[0] if argv else sys.stdin.readline()

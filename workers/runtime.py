@@ -79,17 +79,11 @@ def size_torch(threads: int) -> bool:
     return True
 
 
-def start(spec: RuntimeSpec, *, warm_up: bool = True, on_loaded: Any = None) -> BaseHandler:
-    """Pin, load the handler, size torch, initialise and (by default) warm up one instance.
-
-    ``on_loaded(handler)`` runs once the handler is imported and before the
-    model loads (the worker registers itself as ``starting`` there).
-    """
+def start(spec: RuntimeSpec, *, warm_up: bool = True) -> BaseHandler:
+    """Pin, load the handler, size torch, initialise and (by default) warm up one instance."""
     if spec.cpus:
         pin(spec.cpus)
     handler = load_handler(spec.handler)
-    if on_loaded is not None:
-        on_loaded(handler)
     # A handler module that imports torch gets its pools sized before the
     # model loads; one that imports it only in load_model, right after.
     sized = size_torch(spec.threads)

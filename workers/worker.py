@@ -278,7 +278,7 @@ class Worker:
 
 
 def main(argv: list[str] | None = None) -> int:
-    spec = WorkerSpec.model_validate_json(read_spec(sys.argv[1:] if argv is None else argv))
+    spec = WorkerSpec.model_validate_json(read_spec(argv))
     logs.configure(spec.settings, f"worker {spec.instance_id}")
     worker = Worker(connect(spec.url), spec)
     worker.register("starting")

@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         proto.write(json.dumps(message) + "\n")
 
     try:
-        spec = ChildSpec.model_validate_json(read_spec(sys.argv[1:] if argv is None else argv))
+        spec = ChildSpec.model_validate_json(read_spec(argv))
         started = time.perf_counter()
         handler = runtime.start(spec.runtime, warm_up=False)
         eager = handler.model  # graph mode traces each batch size from these weights
