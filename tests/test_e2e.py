@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 
@@ -22,15 +21,7 @@ import redis
 
 # Only to read what a killed instance held; requests and replies go through redis-py alone.
 from packrat_mq.protocol import decode_subbatch
-
-
-def _wait(predicate, timeout: float, what: str, interval: float = 0.05) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}")
+from tests.helpers import alive, interrupt, wait_for
 
 
 def _ms(stream_id: bytes) -> int:
@@ -64,7 +55,7 @@ class Stack:
         self, reply_to: str, n: int, timeout: float = 30.0, grace_s: float = 1.0
     ) -> list[tuple[bytes, dict[bytes, bytes]]]:
         """Exactly ``n`` replies as (entry id, fields): wait for n, then watch ``grace_s`` more for a late duplicate."""
-        _wait(lambda: self.r.xlen(reply_to) >= n, timeout, f"{n} replies on {reply_to}")
+        wait_for(lambda: self.r.xlen(reply_to) >= n, timeout, f"{n} replies on {reply_to}")
         got = self.r.xrange(reply_to)
         assert len(got) == n, f"{len(got) - n} replies more than the {n} requests"
         late = self.r.xread({reply_to: got[-1][0]}, block=int(grace_s * 1000))
@@ -84,18 +75,12 @@ def stack(request: pytest.FixtureRequest, redis_url: str, r: redis.Redis, prefix
     s = Stack(proc, r, model, prefix)
     try:
         n = len(instances.split(","))
-        _wait(lambda: r.exists(s.key("config", model)) and
+        wait_for(lambda: r.exists(s.key("config", model)) and
               sum(h.get(b"state") == b"ready" for h in s.instances().values()) == n and
               r.hget(s.key("dispatcher", model), "state") == b"ready", 60, "instances and dispatcher ready")
         yield s
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        interrupt(proc)
 
 
 def _npy(arr: np.ndarray) -> bytes:
@@ -162,7 +147,7 @@ def test_worker_killed_mid_batch_is_replaced_and_its_sub_batch_delivered_again(s
                 return True
         return False
 
-    _wait(busy, 10, "an instance that has just taken a sub-batch", interval=0.01)
+    wait_for(busy, 10, "an instance that has just taken a sub-batch", interval=0.01)
     seconds, micros = stack.r.time()
     before_kill_ms = seconds * 1000 + micros / 1000
     os.kill(int(victim["pid"]), signal.SIGKILL)  # type: ignore[arg-type]
@@ -197,20 +182,12 @@ def test_unknown_model_gets_error_and_ctrl_c_stops_cleanly(stack: Stack) -> None
     assert all(h.get(b"state") in (None, b"stopped") for h in stack.instances().values())
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.parametrize("stack", [("echo", "1x1,1x1")], indirect=True)
 def test_killed_supervisor_leaves_no_orphans(stack: Stack) -> None:
     pids = [int(h[b"pid"]) for h in stack.instances().values()]
     pids.append(int(stack.r.hget(stack.key("dispatcher", "echo"), "pid")))
-    assert all(_alive(p) for p in pids)
+    assert all(alive(p) for p in pids)
     stack.proc.kill()  # SIGKILL: no chance to stop its children in order
     stack.proc.wait()
-    _wait(lambda: not any(_alive(p) for p in pids), 15, "instances and dispatcher to notice and stop")
+    wait_for(lambda: not any(alive(p) for p in pids), 15, "instances and dispatcher to notice and stop")
     assert all(h.get(b"state") == b"stopped" for h in stack.instances().values())

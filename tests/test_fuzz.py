@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import redis
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from packrat_mq.records import ttl_for

@@ -27,6 +27,7 @@ from packrat_mq.keys import DISPATCHER_GROUP, WORKER_GROUP
 from packrat_mq.settings import Settings
 from packrat_mq.streams import ensure_group
 from packrat_mq.zoo.testing import EchoHandler
+from tests.helpers import eventually
 from workers.worker import Worker, WorkerSpec
 
 MODEL = "m"
@@ -382,31 +383,22 @@ def running_worker(r: redis.Redis, settings: Settings) -> Iterator[Worker]:
     t.join(5)
 
 
-def _wait(predicate: Any, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
-
-
 def test_worker_recreates_its_group_when_redis_lost_it(r: redis.Redis, settings: Settings,
                                                        running_worker: Worker) -> None:
     w = running_worker
     r.delete(w.queue)  # what a restart without persistence does to the queue and its group
-    assert _wait(lambda: r.hget(w.instance_key, "groups_recreated") == b"1")
+    assert eventually(lambda: r.hget(w.instance_key, "groups_recreated") == b"1")
     r.xadd(w.queue, protocol.encode_subbatch([request("after", b"1", protocol.JSON, settings.keys.replies("c"))], "b"))
-    assert _wait(lambda: r.xlen(settings.keys.replies("c")) == 1)
+    assert eventually(lambda: r.xlen(settings.keys.replies("c")) == 1)
     assert int(r.hget(w.instance_key, "loop_errors") or 0) == 0
 
 
 def test_worker_heartbeat_restores_its_record_after_a_flush(r: redis.Redis, settings: Settings,
                                                             running_worker: Worker) -> None:
     w = running_worker
-    assert _wait(lambda: r.hget(w.instance_key, "state") == b"ready")
+    assert eventually(lambda: r.hget(w.instance_key, "state") == b"ready")
     r.delete(w.instance_key, settings.keys.instances(MODEL))
-    assert _wait(lambda: r.hget(w.instance_key, "state") == b"ready", timeout=5)
+    assert eventually(lambda: r.hget(w.instance_key, "state") == b"ready", timeout=5)
     assert r.sismember(settings.keys.instances(MODEL), "i0")
 
 
@@ -419,7 +411,7 @@ def test_dispatcher_recreates_its_group_when_redis_lost_it(r: redis.Redis, setti
         r.delete(settings.keys.requests(MODEL))
         r.xadd(settings.keys.requests(MODEL), protocol.request_fields("a", settings.keys.replies("c"), b"1", protocol.JSON))
         # XADD recreated the stream without the group: the next XREADGROUP gets NOGROUP.
-        assert _wait(lambda: r.xlen(settings.keys.queue(MODEL, "i0")) == 1)
+        assert eventually(lambda: r.xlen(settings.keys.queue(MODEL, "i0")) == 1)
     finally:
         d.stop()
         t.join(5)

@@ -18,29 +18,16 @@ from typing import Any
 import pytest
 import redis
 
+from tests import helpers
+from tests.helpers import alive, interrupt
 from tests.redis_process import RedisProcess
 
 pytestmark = [pytest.mark.timeout(180)]
 
 
 def wait_for(predicate: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if predicate():
-                return
-        except redis.ConnectionError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    """:func:`tests.helpers.wait_for` through Redis restarts: a refused connection counts as not yet."""
+    helpers.wait_for(predicate, timeout, what, ignore=(redis.ConnectionError,))
 
 
 class Up:
@@ -92,13 +79,7 @@ class Up:
         return dict(zip(ids, entries))
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        interrupt(self.proc)
 
 
 @pytest.fixture

@@ -68,6 +68,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from tests.helpers import eventually, interrupt
 from tests.redis_process import RedisProcess
 
 pytestmark = [pytest.mark.soak, pytest.mark.slow, pytest.mark.timeout(240)]
@@ -296,16 +297,6 @@ def _wait(predicate: Any, timeout: float, what: str, up: Up | None = None) -> No
     raise AssertionError(f"timed out waiting for {what}" + (f":\n{_tail(up.log)}" if up else ""))
 
 
-def _eventually(predicate: Any, timeout: float) -> bool:
-    """Whether ``predicate`` came true within ``timeout`` (the counts, not this wait, say what went wrong)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 def _tail(path: Path, lines: int = 40) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -491,7 +482,7 @@ def test_soak_every_request_answered_once_through_worker_dispatcher_and_redis_fa
         assert producer.error is None, f"producer failed: {producer.error!r}"
         sent = set(producer.sent)
         # What is still missing then is counted as lost below.
-        _eventually(lambda: sent <= reader.answered() or up.proc.poll() is not None, 90)
+        eventually(lambda: sent <= reader.answered() or up.proc.poll() is not None, 90)
         served_until = time.monotonic()
         time.sleep(2.0)  # a late duplicate would arrive now
         reader.stopping.set()
@@ -510,7 +501,7 @@ def test_soak_every_request_answered_once_through_worker_dispatcher_and_redis_fa
         unexpected = sorted(set(per_id) - sent - uncertain)
         errors = Counter(first[i].error for i in sent if i in first and first[i].status != "ok")
 
-        came_back = _eventually(lambda: _all_ready(ctl, n_instances) or up.proc.poll() is not None, 45)
+        came_back = eventually(lambda: _all_ready(ctl, n_instances) or up.proc.poll() is not None, 45)
         shown = subprocess.run(
             [sys.executable, "-m", "packrat_mq", "status", "--json", "--redis-url", rp.url, "--prefix", PREFIX],
             capture_output=True, text=True, timeout=60)
@@ -617,11 +608,5 @@ def test_soak_every_request_answered_once_through_worker_dispatcher_and_redis_fa
         producer.stopping.set()
         reader.stopping.set()
         monitor.stopping.set()
-        if up.proc.poll() is None:
-            up.proc.send_signal(signal.SIGINT)
-            try:
-                up.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                up.proc.kill()
-                up.proc.wait()
+        interrupt(up.proc)
         rp.stop()

@@ -22,6 +22,7 @@ from packrat_mq.instances import Configuration
 from packrat_mq.keys import WORKER_GROUP
 from packrat_mq.records import DispatcherState, InstanceState, SupervisorState, ttl_for
 from packrat_mq.settings import Settings
+from tests.helpers import wait_for
 from workers import supervisor as supervisor_module
 from workers.supervisor import Child, Supervisor
 
@@ -29,15 +30,6 @@ pytestmark = [pytest.mark.timeout(120)]
 
 FAILING_LOAD = "tests.supervisor_handlers:FailingLoad"
 FAILING_SECOND = "tests.supervisor_handlers:FailingSecondInstance"
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 MakeSupervisor = Callable[..., Supervisor]

@@ -1,0 +1,53 @@
+"""Waiting on conditions and on processes, for the tests that start real ones."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def eventually(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02) -> bool:
+    """Whether ``predicate`` came true within ``timeout`` seconds (polled every ``interval``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05,
+             ignore: tuple[type[BaseException], ...] = ()) -> None:
+    """Wait until ``predicate`` is true or fail the test naming ``what``; exceptions in ``ignore`` count as false."""
+    def check() -> Any:
+        try:
+            return predicate()
+        except ignore:
+            return False
+
+    if not eventually(check, timeout, interval):
+        raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def interrupt(proc: subprocess.Popen[Any], timeout: float = 30.0) -> None:
+    """Ctrl-C ``proc`` as a user would, and SIGKILL it if it has not stopped within ``timeout``."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
