@@ -4,7 +4,14 @@ A profile is the optimizer's only input about the world. It records, for each
 measured pair (threads ``t``, batch ``b``), the latency of one instance running
 a batch of ``b`` requests on ``t`` pinned cores, plus the machine it was measured
 on, because a profile from a 16-core server stays valid for planning that
-server from a 2-core laptop.
+server from a 2-core laptop (and :meth:`MachineInfo.differences` says when a
+profile is used on another kind of machine than its own).
+
+Its ``placement`` says what surrounded each instance while it was timed:
+``co-located`` (the profiler's default) ran ``copies`` instances of the same
+``(t, b)`` side by side on the socket's cores and recorded the slowest, the
+latency an instance delivers in a packed machine; ``isolated`` ran one
+instance alone. Files older than format 2 do not say, and were isolated.
 
 Profiles are pretty-printed JSON (``Profile.save``/``Profile.load``) so that
 they diff well in review; ``Profile.from_csv`` imports measurements made
@@ -42,7 +49,11 @@ from packrat_mq.keys import check_model_name
 from packrat_mq.topology import DEFAULT_SYSFS_CPU, Topology, parse_cpulist
 
 #: Bumped when a change to the JSON layout would make older code misread a file.
-FORMAT_VERSION = 1
+#: 2: ``placement`` and each entry's ``copies`` (a version 1 file reads as isolated).
+FORMAT_VERSION = 2
+
+#: What surrounded each instance while it was timed (see the module docstring).
+Placement = Literal["co-located", "isolated"]
 
 #: Columns ``Profile.from_csv`` needs; any other column is ignored.
 CSV_COLUMNS = ("threads", "batch_size", "latency_ms")
@@ -94,6 +105,28 @@ class MachineInfo(BaseModel):
             hostname=socket.gethostname(),
             date=_now(),
         )
+
+    @property
+    def cores_per_socket(self) -> int | None:
+        """Physical cores of one socket (of the largest, if they differ), when both counts are known."""
+        if not self.sockets or not self.physical_cores:
+            return None
+        return -(-self.physical_cores // self.sockets)
+
+    def differences(self, other: MachineInfo) -> list[str]:
+        """How ``other`` differs from this machine in what a profile depends on: CPU model, cores per socket.
+
+        A field unknown on either side (a CSV import knows none) is no
+        difference. Host names, dates and torch versions are not compared:
+        a profile moved to an identical machine is still its profile.
+        """
+        out = []
+        if self.cpu_model and other.cpu_model and self.cpu_model != other.cpu_model:
+            out.append(f"CPU {self.cpu_model!r}, not {other.cpu_model!r}")
+        mine, theirs = self.cores_per_socket, other.cores_per_socket
+        if mine and theirs and mine != theirs:
+            out.append(f"{mine} cores per socket, not {theirs}")
+        return out
 
     def summary(self) -> str:
         """One line for humans, e.g. ``Intel Xeon ... 2 sockets, 32 cores, 64 CPUs``."""
@@ -160,6 +193,9 @@ class ProfileEntry(BaseModel):
     max_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     std_ms: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     iterations: int | None = Field(default=None, ge=1)
+    #: Instances of this (threads, batch) timed together (the slowest is the
+    #: sample): ``T // threads`` in a co-located profile, 1 isolated; None if unknown.
+    copies: int | None = Field(default=None, ge=1)
 
 
 class Calibration(BaseModel):
@@ -259,7 +295,7 @@ def table_fingerprint(table: LatencyTable) -> bytes:
 
 
 class Profile(BaseModel):
-    """The latency profile of one model in one mode on one machine.
+    """The latency profile of one model in one mode and one placement on one machine.
 
     ``entries`` is a tuple of frozen entries, kept sorted by (threads, batch), so
     that ``table()`` can cache its arrays safely: any change goes through
@@ -271,6 +307,8 @@ class Profile(BaseModel):
     format_version: int = FORMAT_VERSION
     model: str
     mode: Literal["eager", "graph"] = "eager"
+    #: ``isolated`` for files that do not say (format 1, CSV imports by default).
+    placement: Placement = "isolated"
     machine: MachineInfo | None = None
     entries: tuple[ProfileEntry, ...] = ()
     calibrations: list[Calibration] = Field(default_factory=list)
@@ -285,7 +323,9 @@ class Profile(BaseModel):
                 f"format_version {v} is not understood by this packrat-mq "
                 f"(it reads 1..{FORMAT_VERSION}); upgrade packrat-mq or re-profile"
             )
-        return v
+        # Read in any known version, held (and saved again) in the current one:
+        # what an older version left out has its default (format 1: isolated).
+        return FORMAT_VERSION
 
     @field_validator("model")
     @classmethod
@@ -356,6 +396,7 @@ class Profile(BaseModel):
         *,
         mode: Literal["eager", "graph"] = "eager",
         duplicates: Literal["mean", "error"] = "mean",
+        placement: Placement = "isolated",
     ) -> Profile:
         """Import ``threads,batch_size,latency_ms`` rows (header required, other columns ignored).
 
@@ -420,7 +461,7 @@ class Profile(BaseModel):
             ProfileEntry(threads=t, batch=b, mean_ms=sum(v) / len(v)) for (t, b), v in rows.items()
         )
         try:
-            return cls(model=model, mode=mode, entries=entries)
+            return cls(model=model, mode=mode, placement=placement, entries=entries)
         except ValidationError as exc:
             raise ProfileError(f"{path}: {_explain(exc)}") from None
 
@@ -489,11 +530,11 @@ class Profile(BaseModel):
         self.entries = tuple(by_key.values())
 
     def merge(self, other: Profile) -> None:
-        """Take ``other``'s entries (they win on conflicts) and calibrations; same model and mode only."""
-        if (other.model, other.mode) != (self.model, self.mode):
+        """Take ``other``'s entries (they win on conflicts) and calibrations; same model, mode and placement only."""
+        if (other.model, other.mode, other.placement) != (self.model, self.mode, self.placement):
             raise ProfileError(
-                f"cannot merge profile of {other.model!r} ({other.mode}) into "
-                f"{self.model!r} ({self.mode})"
+                f"cannot merge profile of {other.model!r} ({other.mode}, {other.placement}) into "
+                f"{self.model!r} ({self.mode}, {self.placement})"
             )
         self.upsert(other.entries)
         self.calibrations = [*self.calibrations, *other.calibrations]

@@ -19,6 +19,17 @@ class ProfilingError(RuntimeError):
     """The profiler could not run (bad options, a child that would not start)."""
 
 
+#: Where each point is measured: beside copies of itself filling the socket's
+#: cores (what a packed machine serves), or alone on the machine.
+Placement = Literal["co-located", "isolated"]
+
+#: ``profile run --quick``: the schedule of a fast profile (options given on the
+#: command line still win). One warm-up after the contract check (which already
+#: ran the batch once), three timed rounds at least, 5% at 95%, and 5 s per
+#: point: resnet50 at T=2, B <= 32 takes about a minute and a half on 2 cores.
+QUICK_SCHEDULE: dict[str, Any] = {"warmup": 1, "min_iters": 3, "max_iters": 20, "rel_ci": 0.05, "budget_s": 5.0}
+
+
 def power_of_two_batches(max_batch: int) -> list[int]:
     """``1, 2, 4, ...`` up to ``max_batch`` (included even if not a power of two)."""
     if max_batch < 1:
@@ -44,6 +55,9 @@ class ProfilingOptions(BaseModel):
     threads_max: int | None = Field(default=None, ge=1)
     batches: list[int] = Field(default_factory=lambda: power_of_two_batches(32))
     graph: bool = False
+    #: ``co-located``: ``T // t`` copies of ``(t, b)`` run together, the slowest
+    #: is the sample; ``isolated``: one instance alone.
+    placement: Placement = "co-located"
     options: dict[str, Any] = Field(default_factory=dict)
     rel_ci: float = Field(default=0.02, gt=0, lt=1)
     confidence: float = Field(default=0.95, gt=0, lt=1)
@@ -72,11 +86,20 @@ class ProfilingOptions(BaseModel):
     def mode(self) -> Literal["eager", "graph"]:
         return "graph" if self.graph else "eager"
 
+    def cores(self, topology: Topology) -> int:
+        """T: the cores profiled, ``threads_max`` or the allowed physical cores of the largest socket."""
+        return self.threads_max or topology.max_cores_per_socket
+
     def thread_counts(self, topology: Topology) -> list[int]:
         if self.threads is not None:
             return list(self.threads)
-        top = self.threads_max or topology.max_cores_per_socket
-        return list(range(1, top + 1))
+        return list(range(1, self.cores(topology) + 1))
+
+    def copies(self, threads: int, topology: Topology) -> int:
+        """How many instances of ``threads`` threads run together: ``T // t`` co-located, else 1."""
+        if self.placement == "isolated":
+            return 1
+        return max(1, self.cores(topology) // threads)
 
 
 def profile_name(model: str) -> str:

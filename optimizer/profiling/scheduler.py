@@ -1,9 +1,25 @@
 """The profiling scheduler: which (t, b) points to measure, in what order, and when to stop.
 
 :func:`profile_model` measures ``L[t, b]`` of one model over a grid of thread
-counts and batch sizes, one :class:`~optimizer.profiling.child.ProfilingChild`
-per thread count, each placed by :func:`workers.allocation.allocate` on ``t``
-physical cores of one socket (a one-instance configuration).
+counts and batch sizes, with one :class:`~optimizer.profiling.child.ProfilingGroup`
+of processes per thread count.
+
+**Placement: co-located by default.** Serving runs instances side by side,
+sharing caches, memory bandwidth and the CPU time of everything else on the
+machine; one instance alone on an idle machine is faster than any instance of
+a packed one, and a profile measured that way promised gains that serving did
+not deliver. So each point ``(t, b)`` is measured as ``k = T // t`` copies of
+the instance ``(t, b)`` (``T``: ``threads_max``, else the allowed physical
+cores of the largest socket), placed by :func:`workers.allocation.allocate`
+for the configuration ``k x (t, b)`` exactly as the worker would place it and
+started exactly as a worker starts (:mod:`optimizer.profiling.child`). The
+copies run in lockstep rounds: the parent tells all of them to run the batch
+once, each times itself, and the round's sample is the slowest copy, the
+batch latency of that configuration; :func:`~optimizer.profiling.statistics.measure`
+runs the rounds with the adaptive stopping rule below. ``placement="isolated"``
+is the same protocol with ``k = 1``. The profile records its placement and
+each entry its ``copies``; a resumed run keeps only points measured with the
+copies it would use itself, and refuses a file of the other placement.
 
 **What may be skipped, and why that is safe for the optimizer.** The
 optimizer picks instances ``(t_j, b_j)`` with ``sum t_j <= T`` and
@@ -38,7 +54,9 @@ same model-load costs; it is printed and appended to the run log
 ``<profile>.runs.jsonl`` next to the profile.
 
 **Resuming.** The profile is saved after every point; a rerun with the same
-output file skips the points already there (same model and mode).
+output file skips the points already there (same model, mode and placement;
+a co-located point measured with another number of copies, because ``T``
+changed, is measured again).
 """
 from __future__ import annotations
 
@@ -54,7 +72,7 @@ from pathlib import Path
 from typing import Any
 
 from optimizer.planning.profile import MachineInfo, Profile, ProfileEntry, ProfileError
-from optimizer.profiling.child import ProfilingChild
+from optimizer.profiling.child import PointError, ProfilingGroup
 from optimizer.profiling.options import (
     ProfilingError,
     ProfilingOptions,
@@ -62,7 +80,7 @@ from optimizer.profiling.options import (
     profile_name,
     run_log_path,
 )
-from optimizer.profiling.statistics import half_width
+from optimizer.profiling.statistics import half_width, measure
 from packrat_mq.instances import Configuration
 from packrat_mq.topology import Topology
 from workers.allocation import AllocationError, CoreAssignment, allocate
@@ -81,6 +99,8 @@ class ProfilingReport:
     skipped: list[dict[str, Any]] = field(default_factory=list)
     failed: list[dict[str, Any]] = field(default_factory=list)
     resumed: int = 0
+    #: Points in the file measured with another number of copies, measured again.
+    remeasured: int = 0
     load_s: float = 0.0
     measure_s: float = 0.0
     #: Warm-up + timed seconds the fixed schedule would spend on the same points.
@@ -104,8 +124,10 @@ class ProfilingReport:
 
     def summary(self) -> str:
         lines = [
-            f"{self.profile.model} ({self.profile.mode}): measured {len(self.measured)} points"
+            f"{self.profile.model} ({self.profile.mode}, {self.profile.placement}): "
+            f"measured {len(self.measured)} points"
             + (f", {self.resumed} already in {self.path}" if self.resumed else "")
+            + (f" ({self.remeasured} measured again with another number of copies)" if self.remeasured else "")
             + (f", skipped {len(self.skipped)}" if self.skipped else "")
             + (f", {len(self.failed)} FAILED" if self.failed else "")
             + f" in {self.wall_s:.1f} s; saved to {self.path}"
@@ -134,11 +156,13 @@ class ProfilingReport:
         return {
             "model": self.profile.model,
             "mode": self.profile.mode,
+            "placement": self.profile.placement,
             "path": str(self.path),
             "measured": self.measured,
             "skipped": self.skipped,
             "failed": self.failed,
             "resumed": self.resumed,
+            "remeasured": self.remeasured,
             "load_s": round(self.load_s, 3),
             "adaptive_s": round(self.adaptive_s, 3),
             "fixed_estimate_s": round(self.fixed_estimate_s, 3),
@@ -168,29 +192,37 @@ def profile_model(
     path = Path(output) if output is not None else default_output(options.model, options.graph)
     profile = _load_for_resume(path, options, fresh)
     threads = options.thread_counts(topology)
-    placements: dict[int, CoreAssignment] = {}
+    placements: dict[int, list[CoreAssignment]] = {}
     for t in threads:
+        copies = options.copies(t, topology)
         try:
-            (assignment,) = allocate(topology, Configuration.uniform(1, t, 1))
+            placements[t] = allocate(topology, Configuration.uniform(copies, t, options.batches[0]))
         except AllocationError as exc:
-            raise ProfilingError(f"cannot profile {t} threads: {exc}") from None
-        placements[t] = assignment
+            what = f"{copies} copies of {t} threads" if copies > 1 else f"{t} threads"
+            raise ProfilingError(f"cannot profile {what}: {exc}") from None
 
     report = ProfilingReport(profile=profile, path=path)
     grid = [(t, b) for t in threads for b in options.batches]
-    pending = sum(1 for t, b in grid if profile.entry(t, b) is None)
+
+    def kept(t: int, b: int) -> ProfileEntry | None:
+        """The point already in the file, if it was measured as this run would measure it."""
+        entry = profile.entry(t, b)
+        return entry if entry is not None and (entry.copies or 1) == len(placements[t]) else None
+
+    pending = sum(1 for t, b in grid if kept(t, b) is None)
     report.resumed = len(grid) - pending
+    report.remeasured = sum(1 for t, b in grid if kept(t, b) is None and profile.entry(t, b) is not None)
     upper: dict[tuple[int, int], float] = {}  # best achievable latency bound per (t, b)
     started = time.monotonic()
     bar = _progress_bar(pending, options.model, progress)
-    child: ProfilingChild | None = None
+    group: ProfilingGroup | None = None
     try:
         for t in threads:
             lower_bound = 0.0  # lower bound of L[t, b] for the batches measured so far
             stop_reason: str | None = None
             try:
                 for b in options.batches:
-                    existing = profile.entry(t, b)
+                    existing = kept(t, b)
                     alternative = _best_split(t, b, upper, options.batches)
                     if existing is not None:
                         hw = _entry_half_width(existing, options.confidence)
@@ -205,42 +237,60 @@ def profile_model(
                         upper[(t, b)] = alternative
                         bar.update(1)
                         continue
-                    bar.set_postfix_str(f"t={t} b={b}", refresh=True)
-                    if child is None:
-                        child = ProfilingChild(options, t, placements[t].cpus, placements[t].socket)
-                        report.load_s += child.start()
+                    copies = len(placements[t])
+                    bar.set_postfix_str(f"t={t} b={b}" + (f" x{copies}" if copies > 1 else ""), refresh=True)
+                    if group is None:
+                        group = ProfilingGroup(options, placements[t])
+                        report.load_s += group.start()
                     dominated_above = (
                         alternative * (1.0 + options.dominance_margin) if math.isfinite(alternative) else None
                     )
-                    result = child.measure(b, dominated_above)
-                    bar.update(1)
-                    report.load_s += result.get("setup_s", 0.0)
-                    if result.get("event") != "result":
-                        report.failed.append({"threads": t, "batch": b, "error": result.get("message", "?")})
+                    try:
+                        report.load_s += group.prepare(b)
+                        m = measure(
+                            group.run,
+                            warmup=options.warmup,
+                            min_iters=options.min_iters,
+                            max_iters=options.max_iters,
+                            rel_ci=options.rel_ci,
+                            confidence=options.confidence,
+                            budget_s=options.budget_s,
+                            dominated_above_ms=dominated_above,
+                            self_timed=True,
+                        )
+                    except PointError as exc:
+                        bar.update(1)
+                        report.failed.append({"threads": t, "batch": b, "error": str(exc)})
                         stop_reason = f"failed at batch {b}"
                         continue
-                    entry = ProfileEntry(**{k: result[k] for k in ProfileEntry.model_fields if k in result})
+                    bar.update(1)
+                    stats = m.stats()
+                    entry = ProfileEntry(
+                        threads=t, batch=b, copies=copies,
+                        **{k: stats[k] for k in ProfileEntry.model_fields if k in stats},
+                    )
                     profile.upsert(entry)
                     profile.save(path)
-                    report.measure_s += result["warmup_s"] + result["timed_s"]
+                    report.measure_s += stats["warmup_s"] + stats["timed_s"]
                     report.fixed_iterations_s += (FIXED_WARMUP + FIXED_ITERS) * entry.mean_ms / 1000.0
-                    hw = result["half_width_ms"] or 0.0
+                    hw = stats["half_width_ms"] or 0.0
                     upper[(t, b)] = min(entry.mean_ms + hw, alternative)
                     lower_bound = max(lower_bound, entry.mean_ms - hw)
                     stop_reason = _slo_exceeded(options, lower_bound)
-                    point = {k: result[k] for k in ("threads", "batch", "mean_ms", "iterations", "stop")}
-                    point["cpus"] = list(placements[t].cpus)
+                    point = {"threads": t, "batch": b, "mean_ms": entry.mean_ms,
+                             "iterations": stats["iterations"], "stop": stats["stop"],
+                             "copies": copies, "cpus": group.cpus}
                     report.measured.append(point)
                     if on_point is not None:
                         on_point(point)
             except BaseException:
-                if child is not None:
-                    child.kill()  # mid-measurement: do not wait for it to finish
+                if group is not None:
+                    group.kill()  # mid-measurement: do not wait for it to finish
                 raise
             finally:
-                if child is not None:
-                    child.close()
-                    child = None
+                if group is not None:
+                    group.close()
+                    group = None
     except KeyboardInterrupt:
         report.interrupted = True
     finally:
@@ -253,7 +303,8 @@ def profile_model(
 def _load_for_resume(path: Path, options: ProfilingOptions, fresh: bool) -> Profile:
     machine = MachineInfo.current()
     if fresh or not path.exists():
-        return Profile(model=profile_name(options.model), mode=options.mode, machine=machine)
+        return Profile(model=profile_name(options.model), mode=options.mode, placement=options.placement,
+                       machine=machine)
     try:
         profile = Profile.load(path)
     except ProfileError as exc:
@@ -262,6 +313,13 @@ def _load_for_resume(path: Path, options: ProfilingOptions, fresh: bool) -> Prof
         raise ProfilingError(
             f"{path} holds the {profile.mode} profile of {profile.model!r}, not the {options.mode} "
             f"profile of {options.model!r}; choose another -o, or --fresh to overwrite it"
+        )
+    if profile.placement != options.placement:
+        flag = "--co-located" if profile.placement == "co-located" else "--isolated"
+        raise ProfilingError(
+            f"{path} holds a {profile.placement} profile, and this run measures {options.placement}: "
+            f"points of both would not make one profile; pass {flag} to resume it, choose another -o, "
+            f"or --fresh to overwrite it"
         )
     old = profile.machine
     if old is not None and profile.entries:

@@ -1,7 +1,9 @@
 """Adaptive stopping: time a function until its mean latency is known well enough.
 
-After ``warmup`` untimed iterations, :func:`measure` times ``run()`` until
-the mean is known within ``rel_ci`` at ``confidence``: Student t on the
+After ``warmup`` untimed iterations, :func:`measure` times ``run()`` (or
+takes the latency that ``run()`` reports itself: the profiler's rounds are
+timed by the processes that ran them, and a round's sample is the slowest
+one) until the mean is known within ``rel_ci`` at ``confidence``: Student t on the
 sample standard deviation, with exact t quantiles from the closed-form CDF
 for integer degrees of freedom (no scipy), bounded by ``min_iters`` /
 ``max_iters`` and a time budget. A caller that knows a point will not be
@@ -117,9 +119,15 @@ def measure(
     confidence: float,
     budget_s: float,
     dominated_above_ms: float | None = None,
+    self_timed: bool = False,
     clock: Callable[[], float] = time.perf_counter,
 ) -> Measurement:
     """Warm up, then time ``run()`` until the mean is known well enough.
+
+    With ``self_timed``, ``run()`` returns the iteration's latency in
+    milliseconds, and that is the sample (the wall time around the call, which
+    includes talking to the processes that ran it, is not); ``clock`` still
+    keeps the budget.
 
     Stops (never before ``min_iters``) when the confidence interval's half
     width is within ``rel_ci`` of the mean (``converged``), when the lower
@@ -137,8 +145,8 @@ def measure(
     stop = "max_iters"
     while len(samples) < max_iters:
         t0 = clock()
-        run()
-        ms = (clock() - t0) * 1000.0
+        reported = run()
+        ms = float(reported) if self_timed else (clock() - t0) * 1000.0  # type: ignore[arg-type]
         samples.append(ms)
         n = len(samples)
         delta = ms - mean
