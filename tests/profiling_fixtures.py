@@ -53,3 +53,33 @@ class TinyLinear(EchoHandler):
             # A traced module is a ScriptModule, not the eager Linear.
             assert type(self.model).__name__ != "Linear", "graph mode did not trace"
         return output.tolist()
+
+
+class SlowOnOneCpu(EchoHandler):
+    """Sleeps ``slow_ms`` in the copy pinned to cpu ``slow_cpu``, ``fast_ms`` elsewhere; records where it runs.
+
+    A stand-in for a model whose copies do not run equally fast, so a test can
+    see which copy's time a co-located point takes. With ``record_dir``, each
+    process writes ``<pid>.json``: its instance id, its context's cores and
+    the CPUs it is really allowed to run on (after pinning).
+    """
+
+    def load_model(self, context: Context) -> Any:
+        import json
+        import os
+        from pathlib import Path
+
+        options = context.options
+        slow = int(options.get("slow_cpu", -1)) in context.cores
+        self.sleep_s = float(options.get("slow_ms" if slow else "fast_ms", 1.0)) / 1000.0
+        if options.get("record_dir"):
+            record = {"instance": context.instance_id, "cores": list(context.cores),
+                      "affinity": sorted(os.sched_getaffinity(0))}
+            Path(options["record_dir"], f"{os.getpid()}.json").write_text(json.dumps(record))
+        return None
+
+    def inference(self, batch: Any) -> Any:
+        import time
+
+        time.sleep(self.sleep_s)
+        return batch

@@ -327,3 +327,71 @@ def test_help_examples_run(tmp_path, monkeypatch):
             assert (work / argv[argv.index("--plot") + 1]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         if "--json" in argv:
             assert json.loads(result.output)["threads"]
+
+
+def test_placement_and_copies_round_trip_and_format_1_reads_as_isolated(tmp_path):
+    prof = make_profile(placement="co-located")
+    prof.upsert(ProfileEntry(threads=1, batch=1, mean_ms=2.5, copies=4))
+    loaded = Profile.load(prof.save(tmp_path / "toy.json"))
+    assert loaded.placement == "co-located" and loaded.entry(1, 1).copies == 4
+    assert json.loads((tmp_path / "toy.json").read_text())["format_version"] == 2
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"format_version": 1, "model": "m",
+                               "entries": [{"threads": 1, "batch": 1, "mean_ms": 3.0}]}))
+    loaded = Profile.load(old)
+    assert loaded.placement == "isolated" and loaded.entry(1, 1).copies is None
+    assert json.loads(loaded.save(old).read_text())["format_version"] == 2  # saved again in today's format
+    with pytest.raises(ProfileError, match="cannot merge"):
+        make_profile(placement="co-located").merge(make_profile())
+    old.write_text(json.dumps({"model": "m", "placement": "nearby"}))
+    with pytest.raises(ProfileError, match="old.json: placement"):
+        Profile.load(old)
+
+
+def test_machine_differences_compare_cpu_and_cores_per_socket_only():
+    xeon = MachineInfo(cpu_model="Xeon", sockets=2, physical_cores=32, hostname="a", torch_version="2.1")
+    assert xeon.cores_per_socket == 16
+    assert xeon.differences(xeon.model_copy(update={"hostname": "b", "torch_version": "2.9"})) == []
+    assert xeon.differences(MachineInfo(cpu_model="Xeon", sockets=1, physical_cores=16)) == []
+    assert xeon.differences(MachineInfo(cpu_model="EPYC", sockets=1, physical_cores=2)) == [
+        "CPU 'Xeon' vs 'EPYC'", "16 vs 2 cores per socket"]
+    # Unknown on either side is no difference.
+    assert xeon.differences(MachineInfo()) == [] and MachineInfo().differences(xeon) == []
+    assert MachineInfo(physical_cores=4).cores_per_socket is None
+
+
+def test_show_says_placement_and_whether_the_machine_is_this_one(tmp_path):
+    here = MachineInfo.current()
+    if here.cpu_model is None:
+        pytest.skip("this machine's CPU model is unknown")
+    entries = [ProfileEntry(threads=1, batch=1, mean_ms=2.0, copies=2), ProfileEntry(threads=2, batch=1, mean_ms=1.5,
+                                                                                     copies=1)]
+    mine = Profile(model="toy", placement="co-located", machine=here, entries=entries).save(tmp_path / "mine.json")
+    result = invoke("show", str(mine))
+    assert result.exit_code == 0, result.output
+    assert "placement: co-located" in result.output and "(1, 2 copies)" in result.output
+    assert "matches this machine" in result.output and "NOT this machine" not in result.output
+    assert json.loads(invoke("show", str(mine), "--json").output)["matches_this_machine"] is True
+
+    other = Profile(model="toy", machine=MachineInfo(cpu_model="Imaginary CPU 9000"), entries=entries)
+    path = other.save(tmp_path / "other.json")
+    result = invoke("show", str(path))
+    assert "placement: isolated" in result.output
+    assert f"NOT this machine: CPU 'Imaginary CPU 9000' vs {here.cpu_model!r}" in result.output
+    assert f"packrat-mq profile run --model toy --quick --fresh -o {path}" in result.output
+    doc = json.loads(invoke("show", str(path), "--json").output)
+    assert doc["placement"] == "isolated" and doc["matches_this_machine"] is False
+
+    unknown = Profile(model="toy", entries=entries).save(tmp_path / "unknown.json")
+    assert "cannot tell whether it is this one" in invoke("show", str(unknown)).output
+    assert json.loads(invoke("show", str(unknown), "--json").output)["matches_this_machine"] is None
+
+
+def test_import_records_the_placement(tmp_path):
+    csv_path = tmp_path / "m.csv"
+    csv_path.write_text("threads,batch_size,latency_ms\n1,1,10\n")
+    assert invoke("import", str(csv_path), "-o", str(tmp_path / "a.json")).exit_code == 0
+    assert Profile.load(tmp_path / "a.json").placement == "isolated"
+    result = invoke("import", str(csv_path), "-o", str(tmp_path / "b.json"), "--placement", "co-located")
+    assert result.exit_code == 0, result.output
+    assert Profile.load(tmp_path / "b.json").placement == "co-located"

@@ -23,8 +23,10 @@ from optimizer.profiling.options import (
 )
 from optimizer.profiling.scheduler import _best_split, profile_model
 from optimizer.profiling.statistics import measure, t_quantile
+from packrat_mq.instances import Configuration
 from packrat_mq.settings import Settings
 from packrat_mq.topology import Topology
+from workers.allocation import allocate
 
 
 def test_t_quantiles_match_tables() -> None:
@@ -180,6 +182,94 @@ def test_dominated_points_stop_at_min_iters(tmp_path: Path) -> None:
     assert stops[(1, 1)]["copies"] == 2 and stops[(2, 2)]["copies"] == 1
 
 
+def _two_cores() -> Topology:
+    topology = Topology.detect()
+    if topology.max_cores_per_socket < 2:
+        pytest.skip("needs two physical cores on one socket")
+    return topology
+
+
+def _records(directory: Path) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))]
+
+
+def test_co_located_copies_run_on_disjoint_cores_and_the_slowest_counts(tmp_path: Path) -> None:
+    topology = _two_cores()
+    # Where the worker would put two 1-thread instances: the profiler must use the same cores.
+    first, second = allocate(topology, Configuration.uniform(2, 1, 1))
+    records = tmp_path / "records"
+    records.mkdir()
+    opts = _quick("tests.profiling_fixtures:SlowOnOneCpu", threads=[1], batches=[1], threads_max=2,
+                  min_iters=3, max_iters=5, warmup=0,
+                  options={"slow_cpu": second.cpus[0], "fast_ms": 1, "slow_ms": 40, "record_dir": str(records)})
+    assert opts.placement == "co-located"  # the default
+    report = profile_model(opts, tmp_path / "p.json", progress=False)
+    assert not report.failed, report.failed
+    (point,) = report.measured
+    assert point["copies"] == 2 and point["cpus"] == [list(first.cpus), list(second.cpus)]
+    # Two processes, each really pinned to its own core, disjoint.
+    seen = _records(records)
+    assert sorted(r["affinity"] for r in seen) == sorted([list(first.cpus), list(second.cpus)])
+    assert all(r["affinity"] == r["cores"] for r in seen)
+    assert len({r["instance"] for r in seen}) == 2
+    # Copy 0 takes 1 ms, copy 1 takes 40 ms: each round's sample is the slower one.
+    profile = Profile.load(tmp_path / "p.json")
+    entry = profile.entry(1, 1)
+    assert profile.placement == "co-located" and entry is not None and entry.copies == 2
+    assert entry.min_ms is not None and entry.min_ms >= 40.0
+
+
+def test_isolated_runs_one_copy(tmp_path: Path) -> None:
+    topology = _two_cores()
+    _, second = allocate(topology, Configuration.uniform(2, 1, 1))
+    records = tmp_path / "records"
+    records.mkdir()
+    opts = _quick("tests.profiling_fixtures:SlowOnOneCpu", threads=[1, 2], batches=[1], threads_max=2,
+                  min_iters=3, max_iters=5, warmup=0, placement="isolated",
+                  options={"slow_cpu": second.cpus[0], "fast_ms": 1, "slow_ms": 40, "record_dir": str(records)})
+    report = profile_model(opts, tmp_path / "p.json", progress=False)
+    assert [(m["threads"], m["copies"]) for m in report.measured] == [(1, 1), (2, 1)]
+    assert sorted(len(r["affinity"]) for r in _records(records)) == [1, 2]
+    profile = Profile.load(tmp_path / "p.json")
+    assert profile.placement == "isolated"
+    # Alone on the first core, the 1-thread instance is the fast one; the 2-thread one holds the slow cpu.
+    assert profile.latency(1, 1) < 40.0 <= profile.latency(2, 1)
+
+
+def test_resume_refuses_the_other_placement(tmp_path: Path) -> None:
+    out = tmp_path / "echo.json"
+    profile_model(_quick("echo", max_iters=5), out, progress=False)
+    with pytest.raises(ProfilingError, match="measured co-located, and this run measures isolated.*--co-located"):
+        profile_model(_quick("echo", max_iters=5, placement="isolated"), out, progress=False)
+    fresh = profile_model(_quick("echo", max_iters=5, placement="isolated"), out, progress=False, fresh=True)
+    assert len(fresh.measured) == 2 and Profile.load(out).placement == "isolated"
+
+    # A file of format 1 does not say: it was measured isolated, and resumes as such.
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"format_version": 1, "model": "echo", "mode": "eager",
+                               "entries": [{"threads": 1, "batch": 1, "mean_ms": 0.5}]}))
+    with pytest.raises(ProfilingError, match="measured isolated, and this run measures co-located.*--isolated"):
+        profile_model(_quick("echo", max_iters=5), old, progress=False)
+    resumed = profile_model(_quick("echo", max_iters=5, placement="isolated"), old, progress=False)
+    assert resumed.resumed == 1 and [(m["threads"], m["batch"]) for m in resumed.measured] == [(1, 2)]
+    assert Profile.load(old).format_version == 2
+
+
+def test_points_with_another_number_of_copies_are_measured_again(tmp_path: Path) -> None:
+    _two_cores()
+    out = tmp_path / "echo.json"
+    first = profile_model(_quick("echo", batches=[1], threads_max=2, max_iters=5), out, progress=False)
+    assert [m["copies"] for m in first.measured] == [2]
+    again = profile_model(_quick("echo", batches=[1], threads_max=2, max_iters=5), out, progress=False)
+    assert again.resumed == 1 and not again.measured
+    # T = 1: one copy of a 1-thread instance, so the point of two copies does not stand for it.
+    narrow = profile_model(_quick("echo", batches=[1], threads_max=1, max_iters=5), out, progress=False)
+    assert narrow.remeasured == 1 and [m["copies"] for m in narrow.measured] == [1]
+    entry = Profile.load(out).entry(1, 1)
+    assert entry is not None and entry.copies == 1
+    assert "measured again with another number of copies" in narrow.summary()
+
+
 def test_failed_batch_is_reported_and_larger_skipped(tmp_path: Path) -> None:
     opts = _quick("tests.profiling_fixtures:FailAboveOne", batches=[1, 2, 4], max_iters=10)
     report = profile_model(opts, tmp_path / "f.json", progress=False)
@@ -303,3 +393,35 @@ def test_graph_mode_traces_each_batch_size(tmp_path: Path) -> None:
     assert not report.failed, report.failed
     profile = Profile.load(tmp_path / "tiny.graph.json")
     assert profile.mode == "graph" and len(profile.entries) == 2
+
+
+def test_cli_quick_profiles_the_optimizers_grid_with_the_quick_schedule(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from optimizer.profiling.options import QUICK_SCHEDULE
+    from packrat_mq.cli.profile_run import run
+
+    cores = min(2, Topology.detect().max_cores_per_socket)
+    out = tmp_path / "echo.json"
+    result = CliRunner().invoke(run, ["--model", "echo", "--quick", "--threads-max", str(cores),
+                                      "--max-batch", "8", "-o", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    (report,) = json.loads(result.output)
+    # t = 1..T, b = powers of two up to B: what the optimizer can use for (T, B), nothing else.
+    grid = [(t, b) for t in range(1, cores + 1) for b in (1, 2, 4, 8)]
+    assert [(m["threads"], m["batch"]) for m in report["measured"]] == grid
+    assert report["placement"] == "co-located"
+    (logged,) = [json.loads(line)["options"] for line in run_log_path(out).read_text().splitlines()]
+    assert {k: logged[k] for k in QUICK_SCHEDULE} == QUICK_SCHEDULE
+    assert all(m["iterations"] >= QUICK_SCHEDULE["min_iters"] for m in report["measured"])
+
+    # An option given explicitly wins over the quick schedule; --isolated measures one copy.
+    other = tmp_path / "isolated.json"
+    result = CliRunner().invoke(run, ["--model", "echo", "--quick", "--isolated", "--threads-max", "1",
+                                      "--max-batch", "2", "--min-iters", "4", "-o", str(other), "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert "(eager, isolated): measured 2 points" in result.output
+    (logged,) = [json.loads(line)["options"] for line in run_log_path(other).read_text().splitlines()]
+    assert logged["min_iters"] == 4 and logged["warmup"] == QUICK_SCHEDULE["warmup"]
+    assert logged["placement"] == "isolated" and Profile.load(other).placement == "isolated"
+    assert {e.copies for e in Profile.load(other).entries} == {1}

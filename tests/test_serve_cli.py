@@ -8,7 +8,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from optimizer.planning.profile import Profile, ProfileEntry, profile_path
+from optimizer.planning.profile import MachineInfo, Profile, ProfileEntry, profile_path
 from packrat_mq.cli.serve import ServePlan, choose_configuration, model_and_handler, serving_options
 
 
@@ -107,3 +107,54 @@ def test_graph_mode_does_not_plan_from_the_eager_profile(tmp_path: Path, monkeyp
     assert plan["profile"] is None
     plan, _ = _plan("-t", "2", "-b", "4")
     assert Path(plan["profile"]).name == "toy.json" and plan["configuration"] == "1x2,1x2"
+
+
+def _profile_from(root: Path, machine: MachineInfo | None, *, graph: bool = False) -> Path:
+    """``profiles/toy.json`` (or ``.graph.json``) measured on ``machine``."""
+    points = {(1, 2): 10.0, (2, 4): 12.0}
+    prof = Profile(model="toy", mode="graph" if graph else "eager", machine=machine,
+                   entries=tuple(ProfileEntry(threads=t, batch=b, mean_ms=ms) for (t, b), ms in points.items()))
+    return prof.save(profile_path("toy", graph, root / "profiles"))
+
+
+def _elsewhere() -> tuple[MachineInfo, MachineInfo]:
+    """(this machine, another kind of machine that differs in CPU and cores per socket)."""
+    here = MachineInfo.current()
+    if here.cpu_model is None or here.cores_per_socket is None:
+        pytest.skip("this machine's CPU model or cores per socket are unknown")
+    other = MachineInfo(cpu_model="Imaginary CPU 9000", sockets=2, physical_cores=4 * (here.cores_per_socket + 1),
+                        hostname="elsewhere")
+    return here, other
+
+
+@pytest.mark.parametrize("mode", ["--eager", "--graph"])
+def test_up_warns_about_a_profile_of_another_machine_and_still_plans_from_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    here, other = _elsewhere()
+    path = _profile_from(tmp_path, other, graph=mode == "--graph")
+    monkeypatch.chdir(tmp_path)
+    plan, stderr = _plan("-t", "2", "-b", "4", mode)
+    assert plan["configuration"] == "1x2,1x2" and Path(plan["profile"]).name == path.name  # still served
+    (warning,) = [line for line in stderr.splitlines() if line.startswith("warning:")]
+    assert path.name in warning and "another machine" in warning
+    assert f"CPU 'Imaginary CPU 9000' vs {here.cpu_model!r}" in warning
+    assert f"{other.cores_per_socket} vs {here.cores_per_socket} cores per socket" in warning
+    command = warning.split("(minutes): ", 1)[1]
+    assert command.startswith("packrat-mq profile run --model toy --quick")
+    assert ("--graph" in command) == (mode == "--graph")
+    assert command.endswith(f"--fresh -o {path}") or command.endswith(f"--fresh -o profiles/{path.name}")
+    # Serving a configuration given by hand reads the same profile, and says the same.
+    plan, stderr = _plan("-i", "1x4", mode)
+    assert any(line.startswith("warning:") and "Imaginary CPU 9000" in line for line in stderr.splitlines())
+
+
+@pytest.mark.parametrize("machine", ["this", "unknown"])
+def test_no_warning_for_this_machine_or_an_unknown_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       machine: str) -> None:
+    # A CSV import knows no machine: nothing to compare, nothing to say.
+    _profile_from(tmp_path, MachineInfo.current() if machine == "this" else None)
+    monkeypatch.chdir(tmp_path)
+    plan, stderr = _plan("-t", "2", "-b", "4")
+    assert plan["configuration"] == "1x2,1x2"
+    assert not [line for line in stderr.splitlines() if line.startswith("warning:")]
+    assert "another machine" not in stderr

@@ -55,6 +55,9 @@ FORMAT_VERSION = 2
 #: What surrounded each instance while it was timed (see the module docstring).
 Placement = Literal["co-located", "isolated"]
 
+#: The largest batch size a profile measures unless told otherwise (``profile run --max-batch``).
+DEFAULT_MAX_BATCH = 32
+
 #: Columns ``Profile.from_csv`` needs; any other column is ignored.
 CSV_COLUMNS = ("threads", "batch_size", "latency_ms")
 
@@ -122,10 +125,10 @@ class MachineInfo(BaseModel):
         """
         out = []
         if self.cpu_model and other.cpu_model and self.cpu_model != other.cpu_model:
-            out.append(f"CPU {self.cpu_model!r}, not {other.cpu_model!r}")
+            out.append(f"CPU {self.cpu_model!r} vs {other.cpu_model!r}")
         mine, theirs = self.cores_per_socket, other.cores_per_socket
         if mine and theirs and mine != theirs:
-            out.append(f"{mine} cores per socket, not {theirs}")
+            out.append(f"{mine} vs {theirs} cores per socket")
         return out
 
     def summary(self) -> str:

@@ -9,6 +9,14 @@ The profile is the one of the mode served in (``<model>.json`` eager,
 ``<model>.graph.json`` graph mode): latencies measured in one mode say little
 about the other, so a profile of the other mode is not used.
 
+A profile measured on another kind of machine (another CPU model, another
+number of cores per socket) is still used, with a warning
+(:func:`machine_warning`) that names both machines and the command that
+profiles this one in minutes: its latencies are off, but its shape (how
+latency grows with the batch, how it falls with threads) usually still ranks
+configurations better than one instance with every thread, and refusing to
+serve would turn a planning problem into an outage.
+
 The pure parts of calibration live here too: which candidates calibration
 should measure (:func:`candidates`, ranked by :func:`predicted_latency`), and
 the measured best it recorded (:func:`best_calibrated`). Serving them for real
@@ -19,10 +27,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from optimizer.planning.profile import Calibration, Profile, ProfileError, profile_filename, resolve_profile_path
+from optimizer.planning.profile import (
+    DEFAULT_MAX_BATCH,
+    Calibration,
+    MachineInfo,
+    Profile,
+    ProfileError,
+    profile_filename,
+    resolve_profile_path,
+)
 from optimizer.planning.solving import InfeasibleError, solve
 from packrat_mq.instances import Configuration
-
+from packrat_mq.topology import Topology
 
 @dataclass
 class Choice:
@@ -31,6 +47,8 @@ class Choice:
     source: str
     profile_path: Path | None
     note: str
+    #: Set when the profile was measured on another kind of machine (see :func:`machine_warning`).
+    warning: str | None = None
 
 
 def find_profile(model: str, profile: str | Path | None = None, *, graph: bool = False) -> Path | None:
@@ -48,11 +66,12 @@ def find_profile(model: str, profile: str | Path | None = None, *, graph: bool =
 
 
 def choose(model: str, threads: int, batch: int, profile: str | Path | None = None, *,
-           graph: bool = False) -> Choice:
+           graph: bool = False, handler: str | None = None) -> Choice:
     """The configuration for (T, B); raises ``ProfileError`` for a named profile that is missing.
 
     ``InfeasibleError`` (a ``ValueError``) propagates when the profile cannot
-    cover B within T.
+    cover B within T. ``handler`` (default ``model``) is what the commands
+    this recommends profile.
     """
     path = find_profile(model, profile, graph=graph)
     if path is None:
@@ -65,16 +84,64 @@ def choose(model: str, threads: int, batch: int, profile: str | Path | None = No
                       f"no {profile_filename(model, graph)} profile for {model!r}{unused}: one instance with "
                       f"{threads} threads and batch {batch} (run `{command}` to let the optimizer choose)")
     loaded = Profile.load(path)
+    warning = machine_warning(loaded, path, handler or model, graph=graph, threads=threads, batch=batch)
     calibrated = best_calibrated(loaded, threads, batch)
     if calibrated is not None:
         config, row = calibrated
         return Choice(config, "calibrated", path,
                       f"calibrated best for T={threads}, B={batch} from {path}: {config} "
-                      f"(measured p50 {row.measured_p50_ms:.2f} ms)")
+                      f"(measured p50 {row.measured_p50_ms:.2f} ms)", warning)
     config = solve(loaded, threads, batch)
     return Choice(config, "optimizer", path,
                   f"optimizer on {path} for T={threads}, B={batch}: {config} "
-                  f"(predicted {config.predicted_latency_ms:.2f} ms per batch)")
+                  f"(predicted {config.predicted_latency_ms:.2f} ms per batch, "
+                  f"{loaded.placement} profile)", warning)
+
+
+def machine_warning(profile: Profile, path: Path, model: str, *, graph: bool = False,
+                    threads: int | None = None, batch: int | None = None,
+                    here: MachineInfo | None = None) -> str | None:
+    """What to tell the operator when ``profile`` was measured on another kind of machine; None if not.
+
+    Compares the CPU model and the cores per socket with ``here`` (default:
+    this machine); a field either side does not know (a CSV import knows
+    none) is no difference. The advice is a quick profile of the (T, B) being
+    planned, written over ``path``.
+    """
+    if profile.machine is None:
+        return None
+    here = here or MachineInfo.current()
+    differences = profile.machine.differences(here)
+    if not differences:
+        return None
+    command = quick_profile_command(model, path, graph=graph, threads=threads, batch=batch)
+    return (
+        f"warning: {path} was measured on another machine: {'; '.join(differences)} (profile vs this "
+        f"machine). Its latencies may not hold here; serving from it anyway. To profile this machine "
+        f"(minutes): {command}"
+    )
+
+
+def quick_profile_command(model: str, output: Path | None = None, *, graph: bool = False,
+                          threads: int | None = None, batch: int | None = None) -> str:
+    """``packrat-mq profile run --model M --quick ...``: the points the optimizer needs for (T, B).
+
+    ``--threads-max T`` only when T is fewer than this machine's socket has,
+    ``--max-batch B`` only past the default 32: the file is replaced, and a
+    profile of B=1 alone would leave every later ``--batch`` without a plan,
+    for little time saved. With ``output``, ``--fresh -o output``: points from
+    another machine do not resume.
+    """
+    parts = ["packrat-mq profile run", f"--model {model}", "--quick"]
+    if graph:
+        parts.append("--graph")
+    if threads is not None and threads < Topology.detect().max_cores_per_socket:
+        parts.append(f"--threads-max {threads}")
+    if batch is not None and batch > DEFAULT_MAX_BATCH:
+        parts.append(f"--max-batch {batch}")
+    if output is not None:
+        parts.append(f"--fresh -o {output}")
+    return " ".join(parts)
 
 
 def predicted_latency(profile: Profile, configuration: Configuration) -> float | None:

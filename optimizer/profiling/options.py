@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from optimizer.planning.profile import ProfileError, profile_path
+from optimizer.planning.profile import DEFAULT_MAX_BATCH, ProfileError, profile_path
 from packrat_mq.topology import Topology
 
 
@@ -53,7 +53,7 @@ class ProfilingOptions(BaseModel):
     threads: list[int] | None = None
     #: None means the allowed physical cores of the largest socket.
     threads_max: int | None = Field(default=None, ge=1)
-    batches: list[int] = Field(default_factory=lambda: power_of_two_batches(32))
+    batches: list[int] = Field(default_factory=lambda: power_of_two_batches(DEFAULT_MAX_BATCH))
     graph: bool = False
     #: ``co-located``: ``T // t`` copies of ``(t, b)`` run together, the slowest
     #: is the sample; ``isolated``: one instance alone.

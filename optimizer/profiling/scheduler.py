@@ -317,7 +317,7 @@ def _load_for_resume(path: Path, options: ProfilingOptions, fresh: bool) -> Prof
     if profile.placement != options.placement:
         flag = "--co-located" if profile.placement == "co-located" else "--isolated"
         raise ProfilingError(
-            f"{path} holds a {profile.placement} profile, and this run measures {options.placement}: "
+            f"{path} holds a profile measured {profile.placement}, and this run measures {options.placement}: "
             f"points of both would not make one profile; pass {flag} to resume it, choose another -o, "
             f"or --fresh to overwrite it"
         )

@@ -60,6 +60,8 @@ def main() -> int:
     config = choice.configuration
     print(f"== packrat-mq demo: all-MiniLM-L6-v2 on {threads} cores, B={batch}")
     print(f"configuration: {choice.note}")
+    if choice.warning:
+        print(choice.warning)
     with EmbeddedRedis() as server:
         print(f"embedded Redis: {server.url}")
         settings = Settings(redis_url=server.url, batch_timeout_ms=5.0)

@@ -12,7 +12,15 @@ from pathlib import Path
 import click
 import numpy as np
 
-from optimizer.planning.profile import LatencyTable, Profile, ProfileError, profile_path, resolve_profile_path
+from optimizer.planning.profile import (
+    LatencyTable,
+    MachineInfo,
+    Profile,
+    ProfileError,
+    profile_path,
+    resolve_profile_path,
+)
+from optimizer.planning.selection import quick_profile_command
 
 
 def load_profile(ref: str) -> tuple[Path, Profile]:
@@ -47,12 +55,17 @@ def profile() -> None:
     help="How the model was run when measured.",
 )
 @click.option(
+    "--placement", type=click.Choice(["isolated", "co-located"]), default="isolated", show_default=True,
+    help="How each point was measured: one instance alone, or beside copies of itself filling the socket.",
+)
+@click.option(
     "--on-duplicate", "duplicates", type=click.Choice(["mean", "error"]), default="mean",
     show_default=True, help="Average repeated (threads, batch_size) rows, or reject them.",
 )
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
 def import_csv(
-    csv_file: Path, output: Path | None, model: str | None, mode: str, duplicates: str, force: bool
+    csv_file: Path, output: Path | None, model: str | None, mode: str, placement: str, duplicates: str,
+    force: bool,
 ) -> None:
     """Import a CSV of measurements into a JSON profile.
 
@@ -64,7 +77,8 @@ def import_csv(
       packrat-mq profile import resnet50.csv -o profiles/resnet50.json --model resnet50
     """
     try:
-        prof = Profile.from_csv(csv_file, model=model, mode=mode, duplicates=duplicates)  # type: ignore[arg-type]
+        prof = Profile.from_csv(csv_file, model=model, mode=mode, duplicates=duplicates,  # type: ignore[arg-type]
+                                placement=placement)  # type: ignore[arg-type]
     except ProfileError as exc:
         raise click.ClickException(str(exc)) from None
     # Same file names as the profiler, so `optimize -p <model>` finds either.
@@ -90,6 +104,8 @@ def show(profile_ref: str, as_json: bool, plot: Path | None) -> None:
     """Print a profile as a threads x batch-size table of latencies (ms).
 
     PROFILE is a path or a model name looked up as profiles/<model>.json.
+    The header says how the points were measured (co-located or isolated)
+    and whether the profile's machine is this one.
 
     \b
     Examples:
@@ -102,17 +118,22 @@ def show(profile_ref: str, as_json: bool, plot: Path | None) -> None:
         table = prof.table()
     except ProfileError as exc:
         raise click.ClickException(f"{path}: {exc}") from None
+    here = MachineInfo.current()
+    differences = prof.machine.differences(here) if prof.machine else None
     if as_json:
         click.echo(json.dumps({
             "model": prof.model,
             "mode": prof.mode,
+            "placement": prof.placement,
             "machine": prof.machine.model_dump() if prof.machine else None,
+            # null when the profile does not say which machine it was measured on
+            "matches_this_machine": None if differences is None else not differences,
             "threads": table.threads.tolist(),
             "batches": table.batches.tolist(),
             "latency_ms": [[None if math.isnan(v) else v for v in row] for row in table.latency_ms.tolist()],
         }))
     else:
-        click.echo(_describe(prof, path))
+        click.echo(_describe(prof, path, here))
         click.echo(format_table(table))
     if plot is not None:
         plot_profile(table, f"{prof.model} ({prof.mode})", plot)
@@ -124,10 +145,25 @@ def _span(values: np.ndarray) -> str:
     return str(lo) if lo == hi else f"{lo}..{hi}"
 
 
-def _describe(prof: Profile, path: Path) -> str:
-    machine = prof.machine.summary() if prof.machine else "unknown machine"
+def _describe(prof: Profile, path: Path, here: MachineInfo) -> str:
+    if prof.machine is None:
+        machine = "unknown machine (cannot tell whether it is this one)"
+    else:
+        differences = prof.machine.differences(here)
+        machine = prof.machine.summary() + (
+            f"\n  NOT this machine: {'; '.join(differences)} (profile vs this machine)"
+            f"\n  profile this one: {quick_profile_command(prof.model, path, graph=prof.mode == 'graph')}"
+            if differences else "\n  matches this machine (CPU model, cores per socket)"
+        )
+    copies = sorted({e.copies for e in prof.entries if e.copies})
+    placement = {
+        "co-located": "co-located: each point timed beside copies of itself filling the socket's cores, "
+                      "the slowest taken" + (f" ({', '.join(map(str, copies))} copies)" if copies else ""),
+        "isolated": "isolated: each point timed with one instance alone on the machine",
+    }[prof.placement]
     lines = [
         f"{prof.model} ({prof.mode}) from {path}",
+        f"placement: {placement}",
         f"machine: {machine}",
         f"{len(prof.entries)} measurements, {len(prof.calibrations)} calibrations",
         "mean latency (ms) per batch; rows: threads, columns: batch size",

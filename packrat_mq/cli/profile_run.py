@@ -10,9 +10,11 @@ import sys
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
+from optimizer.planning.profile import DEFAULT_MAX_BATCH
 from optimizer.profiling.jobs import enqueue_profile, profile_queue_name, result_name, worker_command
-from optimizer.profiling.options import ProfilingError, ProfilingOptions, power_of_two_batches
+from optimizer.profiling.options import QUICK_SCHEDULE, ProfilingError, ProfilingOptions, power_of_two_batches
 from optimizer.profiling.scheduler import profile_model
 from packrat_mq.cli.helpers import connect_or_fail, echo_json, err, parse_handler_options, redis_options
 from packrat_mq.connection import redact
@@ -38,9 +40,17 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
               help="Profile t = 1..T threads [default: the allowed physical cores of one socket].")
 @click.option("--batches", callback=_int_list, default=None, metavar="LIST",
               help="Batch sizes, e.g. 1,2,4,8 [default: powers of two up to --max-batch].")
-@click.option("--max-batch", type=click.IntRange(min=1), default=32, show_default=True,
+@click.option("--max-batch", type=click.IntRange(min=1), default=DEFAULT_MAX_BATCH, show_default=True,
               help="Largest batch size when --batches is not given.")
 @click.option("--graph", is_flag=True, help="TorchScript trace + freeze, as served with graph mode.")
+@click.option("--co-located/--isolated", "co_located", default=True, show_default=True,
+              help="Time each (threads, batch) beside copies of itself on the socket's other cores "
+              "(T // threads copies, the slowest taken: what a packed machine serves), or alone.")
+@click.option("--quick", is_flag=True,
+              help="A fast profile of what the optimizer needs for --threads-max and --max-batch: "
+              f"--warmup {QUICK_SCHEDULE['warmup']}, --min-iters {QUICK_SCHEDULE['min_iters']}, "
+              f"--max-iters {QUICK_SCHEDULE['max_iters']}, --rel-ci {QUICK_SCHEDULE['rel_ci']:g}, "
+              f"--budget-s {QUICK_SCHEDULE['budget_s']:g} (any of them given explicitly still wins).")
 @click.option("--option", "model_options", multiple=True, metavar="KEY=VALUE",
               help="Handler option (Context.options), e.g. --option base_ms=5 for sleep.")
 @click.option("--rel-ci", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.02,
@@ -79,6 +89,8 @@ def run(
     batches: list[int] | None,
     max_batch: int,
     graph: bool,
+    co_located: bool,
+    quick: bool,
     model_options: tuple[str, ...],
     rel_ci: float,
     confidence: float,
@@ -99,17 +111,33 @@ def run(
 ) -> None:
     """Measure L[threads, batch] of a model the way it is served.
 
-    Each thread count runs in a fresh process pinned to that many physical
-    cores of one socket; each batch size is timed until its mean is known
-    within --rel-ci. The profile is saved after every point: Ctrl-C keeps what
-    is done, and the same command resumes.
+    Each thread count t runs in fresh processes pinned to t physical cores of
+    one socket, as many copies as fill the T cores profiled (T // t; one with
+    --isolated), started as served instances are; each batch size is timed in
+    rounds that run every copy at once, the slowest copy being the sample,
+    until its mean is known within --rel-ci. The profile is saved after every
+    point: Ctrl-C keeps what is done, and the same command resumes.
 
     \b
     Examples:
       packrat-mq profile run --model resnet50 --max-batch 32
+      packrat-mq profile run --model resnet50 --quick            # t = 1..cores, b = 1,2,4..32, in minutes
+      packrat-mq profile run --model resnet50 --isolated -o resnet50-isolated.json
       packrat-mq profile run --model sleep --option base_ms=5 --batches 1,2,4 --threads-max 2
       packrat-mq profile run --model bert --enqueue --node gpu-box-7 --redis-url redis://broker:6379
     """
+    if quick:
+        # The quick schedule replaces the defaults, not what was asked for.
+        ctx = click.get_current_context()
+        schedule = {name: value for name, value in QUICK_SCHEDULE.items()
+                    if ctx.get_parameter_source(name) is ParameterSource.DEFAULT}
+        warmup = schedule.get("warmup", warmup)
+        min_iters = schedule.get("min_iters", min_iters)
+        max_iters = schedule.get("max_iters", max_iters)
+        rel_ci = schedule.get("rel_ci", rel_ci)
+        budget_s = schedule.get("budget_s", budget_s)
+        if "max_iters" in schedule:
+            max_iters = max(max_iters, min_iters)  # --quick --min-iters 30 asks for 30
     if output is not None and len(models) > 1:
         raise click.UsageError("-o/--output names one file; give one --model, or leave -o out")
     if max_iters < min_iters:
@@ -121,6 +149,7 @@ def run(
             threads_max=threads_max,
             batches=batches or power_of_two_batches(max_batch),
             graph=graph,
+            placement="co-located" if co_located else "isolated",
             options=handler_options,
             rel_ci=rel_ci,
             confidence=confidence,

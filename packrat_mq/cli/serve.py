@@ -10,8 +10,8 @@ import click
 
 from dispatcher.dispatcher import run_dispatcher
 from dispatcher.partitioning import latency_from_profile
-from optimizer.planning.profile import ProfileError
-from optimizer.planning.selection import choose, find_profile
+from optimizer.planning.profile import Profile, ProfileError
+from optimizer.planning.selection import choose, find_profile, machine_warning
 from packrat_mq import logs
 from packrat_mq.cli.helpers import connect_or_fail, err, parse_handler_options, redis_options, remember_url
 from packrat_mq.connection import EmbeddedRedis, connect, discover_url
@@ -49,7 +49,7 @@ def model_and_handler(model: str, name: str | None) -> tuple[str, str]:
 
 def choose_configuration(
     model: str, instances: str | None, threads: int | None, batch: int | None, profile: str | None,
-    graph: bool = False,
+    graph: bool = False, handler: str | None = None,
 ) -> tuple[Configuration, str | None]:
     """The configuration to serve with, and the profile it came from (if any).
 
@@ -57,6 +57,8 @@ def choose_configuration(
     for ``--threads`` (default: the cores of one socket) and ``--batch``. Without
     ``--profile`` the model's profile of the mode served in is used
     (``profiles/<model>.graph.json`` with ``--graph``, else ``profiles/<model>.json``).
+    A profile measured on another kind of machine is used all the same, with a
+    warning on stderr that says so and how to profile this machine.
     """
     if instances:
         try:
@@ -70,12 +72,22 @@ def choose_configuration(
             raise click.BadParameter(f"no profile {profile!r}", param_hint="--profile") from None
         if path is not None:
             err(f"profile for splitting partial batches: {path}")
+            try:
+                warning = machine_warning(Profile.load(path), path, handler or model, graph=graph,
+                                          threads=config.threads, batch=config.batch)
+            except ProfileError:
+                warning = None  # a broken file is the dispatcher's to report when it reads it
+            if warning:
+                err(warning)
         return config, str(path) if path else None
     try:
-        choice = choose(model, threads or Topology.detect().max_cores_per_socket, batch or 1, profile, graph=graph)
+        choice = choose(model, threads or Topology.detect().max_cores_per_socket, batch or 1, profile, graph=graph,
+                        handler=handler)
     except ValueError as exc:
         raise click.ClickException(f"optimizer: {exc}") from None
     err(choice.note)
+    if choice.warning:
+        err(choice.warning)
     return choice.configuration, str(choice.profile_path) if choice.profile_path else None
 
 
@@ -107,7 +119,7 @@ def serving_options(func: Callable[..., Any]) -> Callable[..., Any]:
                 profile: str | None, graph: bool, option_pairs: tuple[str, ...], node: str | None,
                 name: str | None, exit_with_parent: bool, **kwargs: Any) -> Any:
         served, handler = model_and_handler(model, name)
-        config, profile_path = choose_configuration(served, instances, threads, batch, profile, graph)
+        config, profile_path = choose_configuration(served, instances, threads, batch, profile, graph, handler)
         plan = ServePlan(served, handler, config, profile_path, parse_handler_options(option_pairs), node, graph,
                          exit_with_parent)
         return func(*args, plan=plan, **kwargs)
