@@ -40,6 +40,7 @@ from optimizer.planning.solving import InfeasibleError, solve
 from packrat_mq.instances import Configuration
 from packrat_mq.topology import Topology
 
+
 @dataclass
 class Choice:
     configuration: Configuration

@@ -11,17 +11,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from optimizer.planning.profile import DEFAULT_MAX_BATCH, ProfileError, profile_path
+from optimizer.planning.profile import DEFAULT_MAX_BATCH, Placement, ProfileError, profile_path
 from packrat_mq.topology import Topology
 
 
 class ProfilingError(RuntimeError):
     """The profiler could not run (bad options, a child that would not start)."""
 
-
-#: Where each point is measured: beside copies of itself filling the socket's
-#: cores (what a packed machine serves), or alone on the machine.
-Placement = Literal["co-located", "isolated"]
 
 #: ``profile run --quick``: the schedule of a fast profile (options given on the
 #: command line still win). One warm-up after the contract check (which already

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Literal
 
 import click
 import numpy as np
@@ -15,6 +16,7 @@ import numpy as np
 from optimizer.planning.profile import (
     LatencyTable,
     MachineInfo,
+    Placement,
     Profile,
     ProfileError,
     profile_path,
@@ -64,8 +66,8 @@ def profile() -> None:
 )
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
 def import_csv(
-    csv_file: Path, output: Path | None, model: str | None, mode: str, placement: str, duplicates: str,
-    force: bool,
+    csv_file: Path, output: Path | None, model: str | None, mode: Literal["eager", "graph"],
+    placement: Placement, duplicates: Literal["mean", "error"], force: bool,
 ) -> None:
     """Import a CSV of measurements into a JSON profile.
 
@@ -77,8 +79,7 @@ def import_csv(
       packrat-mq profile import resnet50.csv -o profiles/resnet50.json --model resnet50
     """
     try:
-        prof = Profile.from_csv(csv_file, model=model, mode=mode, duplicates=duplicates,  # type: ignore[arg-type]
-                                placement=placement)  # type: ignore[arg-type]
+        prof = Profile.from_csv(csv_file, model=model, mode=mode, duplicates=duplicates, placement=placement)
     except ProfileError as exc:
         raise click.ClickException(str(exc)) from None
     # Same file names as the profiler, so `optimize -p <model>` finds either.
