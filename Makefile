@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast bench bench-peers clean
 
 install: $(STAMP)
 
@@ -28,5 +28,20 @@ test-fast: install
 bench: install
 	$(PY) -m benchmarks.run_all
 
+# TorchServe side by side (not part of make test). TorchServe gets its own venv, pinned in
+# benchmarks/peers/constraints.txt with the project's torch. Options: make bench-peers ARGS="--quick --markdown"
+PEERS_VENV := .venv-peers
+PEERS_STAMP := $(PEERS_VENV)/.installed-stamp
+
+$(PEERS_STAMP): benchmarks/peers/constraints.txt
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install -q -c benchmarks/peers/constraints.txt pip
+	$(PEERS_VENV)/bin/python -m pip install -q -c benchmarks/peers/constraints.txt \
+		torchserve torch-model-archiver pyyaml torch numpy
+	touch $(PEERS_STAMP)
+
+bench-peers: install $(PEERS_STAMP)
+	$(PY) -m benchmarks.bench_peers $(ARGS)
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(PEERS_VENV) build *.egg-info
