@@ -199,17 +199,17 @@ def text_tables(result: dict[str, Any]) -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     """Tables for the README: one cell per figure, rounds separated by ' / '."""
-    runs = [r for r in result["runs"] if "load" in r]
+    runs = result["runs"]  # a failed run shows as "-" in its round's place
     opts, machine = result["options"], result["machine"]
-    keys = list(dict.fromkeys(r["setup"] for r in result["runs"]))
+    keys = list(dict.fromkeys(r["setup"] for r in runs))
     labels = {s["key"]: s["markdown_label"] for s in result["setups"]}
 
     def cells(key: str, section: str, figure: str, digits: int = 0) -> str:
-        values = [r[section][figure] for r in runs if r["setup"] == key]
-        return " / ".join(_f(v, digits) for v in values) or "-"
+        return " / ".join(_f(r[section][figure] if "load" in r else None, digits) for r in runs if r["setup"] == key)
 
     def errors(key: str) -> str:
-        return " / ".join(str(r["load"]["errors"] + r["idle"]["errors"]) for r in runs if r["setup"] == key) or "-"
+        return " / ".join(str(r["load"]["errors"] + r["idle"]["errors"]) if "load" in r else "-"
+                          for r in runs if r["setup"] == key)
 
     def label(key: str) -> str:
         configs = sorted({r["configuration"] for r in runs if r["setup"] == key and r.get("configuration")})
@@ -235,12 +235,8 @@ def markdown(result: dict[str, Any]) -> str:
                 "|---|---|---|---|---|---|"]
         for key in dict.fromkeys(q["setup"] for q in result["ratios"]):
             qs = [q for q in result["ratios"] if q["setup"] == key]
-
-            def col(name: str) -> str:
-                return " / ".join(_f(q[name], 2) for q in qs)
-
-            out.append(f"| {key} / {qs[0]['peer']} | {col('p50')} | {col('p90')} | {col('p99')} | "
-                       f"{col('requests_per_s')} | {col('idle_p50')} |")
+            cols = [" / ".join(_f(q[name], 2) for q in qs) for name in RATIOS]
+            out.append(f"| {key} / {qs[0]['peer']} | " + " | ".join(cols) + " |")
     return "\n".join(out)
 
 
@@ -306,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown setups {sorted(unknown)}; known: {', '.join(s.key for s in all_setups)}")
         all_setups = [s for s in all_setups if s.key in wanted]
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started with SIGINT ignored (a background job)
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGHUP, _on_signal)
     workdir = Path(tempfile.mkdtemp(prefix="packrat-peers-"))
@@ -323,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratios": [],
     }
     started = time.monotonic()
-    ok = False
+    ok = interrupted = False
     try:
         print(f"building TorchServe's model stores in {workdir}", file=sys.stderr, flush=True)
         stores = {(s.batch, s.wait_ms): build_store(args.peers_venv, workdir / "build", model=MODEL, batch=s.batch,
@@ -331,24 +328,15 @@ def main(argv: list[str] | None = None) -> int:
                   for s in all_setups if s.server == "torchserve"}
         for k in range(1, args.rounds + 1):
             for s in all_setups:
-                print(f"round {k}/{args.rounds}: {s.label()}", file=sys.stderr, flush=True)
-                try:
-                    row = run_setup(s, k, args, workdir, payload, stores)
-                except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-                    row = {"round": k, "setup": s.key, "label": s.label(), "error": str(exc)[-2000:]}
-                    print(f"  failed: {exc}", file=sys.stderr, flush=True)
-                else:
-                    ld, idle = row["load"], row["idle"]
-                    print(f"  {row.get('configuration') or ''} p50 {_f(ld['p50_ms'])} ms, p99 {_f(ld['p99_ms'])} ms, "
-                          f"{_f(ld['requests_per_s'])} req/s, idle p50 {_f(idle['p50_ms'])} ms, "
-                          f"errors {ld['errors'] + idle['errors']} (ready in {row['ready_s']:.1f} s)",
-                          file=sys.stderr, flush=True)
-                result["runs"].append(row)
+                result["runs"].append(run_reported(s, k, args, workdir, payload, stores))
                 result["ratios"] = ratios(result["runs"], all_setups)
                 result["elapsed_s"] = time.monotonic() - started
                 json_out.parent.mkdir(parents=True, exist_ok=True)
                 json_out.write_text(json.dumps(result, indent=2))
         ok = all("load" in r for r in result["runs"])
+    except KeyboardInterrupt as exc:
+        interrupted = True
+        print(f"interrupted ({str(exc) or 'Ctrl-C'}); the servers are stopped", file=sys.stderr)
     finally:
         leftovers = left_behind()
         if leftovers:
@@ -357,12 +345,29 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
         else:
             print(f"servers' logs kept in {workdir}", file=sys.stderr)
-    print(text_tables(result))
-    if args.markdown:
-        print()
-        print(markdown(result))
-    print(f"written to {json_out}")
-    return 0 if ok else 1
+    if result["runs"]:
+        print(text_tables(result))
+        if args.markdown:
+            print()
+            print(markdown(result))
+        print(f"written to {json_out}")
+    return 130 if interrupted else 0 if ok else 1
+
+
+def run_reported(setup: Setup, round_no: int, args: argparse.Namespace, workdir: Path, payload: bytes,
+                 stores: dict[tuple[int, float], Path]) -> dict[str, Any]:
+    """:func:`run_setup` with progress on stderr; a setup that fails is recorded, and the run goes on."""
+    print(f"round {round_no}/{args.rounds}: {setup.label()}", file=sys.stderr, flush=True)
+    try:
+        row = run_setup(setup, round_no, args, workdir, payload, stores)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        print(f"  failed: {exc}", file=sys.stderr, flush=True)
+        return {"round": round_no, "setup": setup.key, "label": setup.label(), "error": str(exc)[-2000:]}
+    ld, idle = row["load"], row["idle"]
+    print(f"  {row.get('configuration') or ''} p50 {_f(ld['p50_ms'])} ms, p99 {_f(ld['p99_ms'])} ms, "
+          f"{_f(ld['requests_per_s'])} req/s, idle p50 {_f(idle['p50_ms'])} ms, "
+          f"errors {ld['errors'] + idle['errors']} (ready in {row['ready_s']:.1f} s)", file=sys.stderr, flush=True)
+    return row
 
 
 if __name__ == "__main__":
