@@ -1,11 +1,18 @@
 """The dispatcher loop of one model.
 
 Reads the request stream with a consumer group, aggregates a batch, splits it
-among the deployment's instances and pushes each sub-batch to that instance's
-own stream, all in one MULTI/EXEC with the XACK and XDEL of the requests:
-either a request is in an instance queue or it is still pending here, never
-both and never neither. After a crash the dispatcher re-reads its own pending
-entries first, so nothing it read is lost.
+among the deployment's instances and pushes each sub-batch (the requests'
+metadata and stream ids, not their payloads) to that instance's own stream,
+in one MULTI/EXEC with an XCLAIM that hands the requests' pending entries to
+the instance (consumer ``instance:<id>``, see
+:func:`packrat_mq.keys.request_owner`). The payloads stay in the request
+stream until the instance answers: it fetches them by id, and acknowledges
+and deletes them with its replies. The dispatcher reads requests without
+their payloads (:mod:`dispatcher.reading`). So a request is pending here (read, not
+handed out), or owned by exactly one instance whose queue names it, never
+both and never neither; after a crash the dispatcher re-reads its own
+pending entries first, so nothing it read is lost. The backlog is the
+stream's length minus its pending entries (:func:`packrat_mq.streams.backlog`).
 
 Flow control: a batch is read only when every instance has room (at most
 ``max_waiting`` sub-batches queued behind the one it is running), so the
@@ -37,11 +44,12 @@ import redis
 from dispatcher.aggregation import Aggregator
 from dispatcher.orphans import sweep
 from dispatcher.partitioning import LatencyFn, split
-from packrat_mq import protocol, replies
+from dispatcher.reading import Entry, read_fields
+from packrat_mq import protocol, replies, streams
 from packrat_mq.backoff import Backoff
 from packrat_mq.connection import connect
 from packrat_mq.deployment import Deployment, InstanceRecord
-from packrat_mq.keys import DISPATCHER_GROUP, check_model_name
+from packrat_mq.keys import DISPATCHER_GROUP, check_model_name, request_owner
 from packrat_mq.records import DispatcherState, InstanceState
 from packrat_mq.recovery import recover
 from packrat_mq.settings import Settings
@@ -49,7 +57,7 @@ from packrat_mq.streams import ensure_group
 
 log = logging.getLogger("packrat_mq.dispatcher")
 
-Entry = tuple[bytes, "dict[bytes, bytes] | None"]
+PAYLOAD_BYTES_FIELD = protocol.PAYLOAD_BYTES.encode()
 
 
 class Dispatcher:
@@ -122,21 +130,30 @@ class Dispatcher:
 
     # --- reading --------------------------------------------------------
     def _read(self, count: int, block_ms: int | None) -> list[Entry]:
+        """Up to ``count`` requests, without their payloads (see :mod:`dispatcher.reading`).
+
+        Waits up to ``block_ms`` for the first one when none is there; that
+        one is read with its payload, since a script cannot block.
+        """
         if self._recovering:
             # Entries this consumer read before a restart and never fanned out.
             # They stay pending until their batch is dispatched, so the next
             # read of the same batch starts after the last one handed out;
             # from "0" it would return them again (duplicates in the batch).
-            resp = self.r.xreadgroup(
-                DISPATCHER_GROUP, self.consumer, {self.stream: self._recover_from}, count=count
-            )
-            entries = resp[0][1] if resp else []
+            entries = read_fields(self.r, self.stream, DISPATCHER_GROUP, self.consumer, count, self._recover_from)
             if entries:
                 self._recover_from = entries[-1][0]
                 return entries
             self._recovering = False
-        resp = self.r.xreadgroup(DISPATCHER_GROUP, self.consumer, {self.stream: ">"}, count=count, block=block_ms or None)
-        return resp[0][1] if resp else []
+        entries = read_fields(self.r, self.stream, DISPATCHER_GROUP, self.consumer, count)
+        if entries or not block_ms:
+            return entries
+        resp = self.r.xreadgroup(DISPATCHER_GROUP, self.consumer, {self.stream: ">"}, count=1, block=block_ms)
+        entries = resp[0][1] if resp else []
+        for _, fields in entries:
+            if fields:
+                fields.pop(PAYLOAD_BYTES_FIELD, None)  # only the script may say a payload's size
+        return entries
 
     def refresh_deployment(self, raw: bytes | None) -> Deployment | None:
         if raw != self._raw_config:
@@ -162,12 +179,14 @@ class Dispatcher:
         pipe = self.r.pipeline(transaction=False)
         pipe.get(self.keys.config(self.model))
         pipe.xlen(self.stream)
+        pipe.xpending(self.stream, DISPATCHER_GROUP)
         deployment = self.deployment
         instances = deployment.instances if deployment else []
         for inst in instances:
             pipe.xlen(self.keys.queue(self.model, inst.id))
             pipe.hmget(self.keys.instance(self.model, inst.id), *InstanceState.LIVENESS_FIELDS)
-        raw, backlog, *rest = pipe.execute()
+        raw, length, pending, *rest = pipe.execute()
+        backlog = streams.backlog(length, pending)
         if backlog > self.settings.max_backlog:
             self.shed(backlog - self.settings.max_backlog)
         current = self.refresh_deployment(raw)
@@ -290,8 +309,11 @@ class Dispatcher:
         now_ms = int(time.time() * 1000)
         accepted: list[protocol.Request] = []
         rejected: list[protocol.RequestRejected] = []
+        # Answered here (rejected) or already deleted: acknowledged and deleted by this transaction.
+        done: list[bytes] = []
         for sid, fields in entries:
             if fields is None:  # deleted while pending: nothing to answer
+                done.append(sid)
                 continue
             try:
                 accepted.append(
@@ -302,12 +324,12 @@ class Dispatcher:
                 )
             except protocol.RequestRejected as exc:
                 rejected.append(exc)
+                done.append(sid)
 
         counts = split(len(accepted), [(i.threads, i.batch) for i in instances], self.latency) if accepted else []
         self._batch_seq += 1
         batch_id = f"{os.getpid()}-{self._batch_seq}"
 
-        ids = [sid for sid, _ in entries]
         pipe = self.r.pipeline(transaction=True)
         stats_key = self.keys.stats(self.model)
         pairs = []
@@ -326,8 +348,13 @@ class Dispatcher:
             sub = accepted[start : start + n]
             start += n
             pipe.xadd(self.keys.queue(self.model, inst.id), protocol.encode_subbatch(sub, batch_id))
-        pipe.xack(self.stream, DISPATCHER_GROUP, *ids)
-        pipe.xdel(self.stream, *ids)
+            # The requests stay in the stream, pending, now owned by the instance:
+            # it fetches their payloads and acknowledges and deletes them with its replies.
+            pipe.xclaim(self.stream, DISPATCHER_GROUP, request_owner(inst.id), 0,
+                        [r.stream_id for r in sub], justid=True)
+        if done:
+            pipe.xack(self.stream, DISPATCHER_GROUP, *done)
+            pipe.xdel(self.stream, *done)
         pipe.hincrby(stats_key, "requests", len(accepted) + len(rejected))
         pipe.hincrby(stats_key, "batches", 1)
         DispatcherState.count(pipe, self.keys.dispatcher(self.model), "batches", renew=False)

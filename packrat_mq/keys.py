@@ -29,6 +29,17 @@ DISPATCHER_GROUP = "dispatchers"
 WORKER_GROUP = "workers"
 
 
+def request_owner(instance_id: str) -> str:
+    """The consumer (in ``DISPATCHER_GROUP``) owning the requests fanned out to one instance.
+
+    The dispatcher XCLAIMs each request it hands to an instance to this name,
+    so the stream's pending list says who holds each request, and the
+    dispatcher's own pending entries are only those it read and has not
+    handed out (what it must re-read after a crash).
+    """
+    return f"instance:{instance_id}"
+
+
 @dataclass(frozen=True)
 class Keys:
     """Key builder for one prefix (default ``packrat``)."""

@@ -22,5 +22,40 @@ def ensure_group(r: redis.Redis, stream: str, group: str) -> bool:
 
 
 def is_nogroup(exc: BaseException) -> bool:
-    """Whether ``exc`` says the stream or its consumer group does not exist."""
-    return isinstance(exc, redis.ResponseError) and str(exc).startswith("NOGROUP")
+    """Whether ``exc`` says the stream or its consumer group does not exist.
+
+    Also when the error came from a pipeline, which redis-py reports as
+    ``Command # N (...) of pipeline caused error: NOGROUP ...``.
+    """
+    if not isinstance(exc, redis.ResponseError):
+        return False
+    message = str(exc)
+    return message.startswith("NOGROUP") or "of pipeline caused error: NOGROUP" in message
+
+
+def backlog(length: int, pending: dict | int) -> int:
+    """Requests waiting for a dispatcher: the stream's length less its pending entries.
+
+    ``pending`` is an ``XPENDING <stream> dispatchers`` summary (or its
+    count). Requests handed to an instance stay in the request stream, pending
+    under that instance's consumer, until they are answered (their payloads
+    are fetched from there), and those the dispatcher has read into a batch
+    are pending under its own; neither waits for a dispatcher any more.
+    """
+    count = pending if isinstance(pending, int) else int(pending.get("pending") or 0)
+    return max(0, int(length) - count)
+
+
+def read_backlog(r: redis.Redis, stream: str, group: str) -> tuple[int, int]:
+    """(backlog, in flight) of a request stream, for status: see :func:`backlog`.
+
+    A stream without the group yet (no dispatcher has started) has nothing in flight.
+    """
+    length = r.xlen(stream)
+    try:
+        pending = int(r.xpending(stream, group).get("pending") or 0)
+    except redis.ResponseError as exc:
+        if not is_nogroup(exc):
+            raise
+        pending = 0
+    return backlog(length, pending), pending

@@ -7,6 +7,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from packrat_mq import protocol
+from packrat_mq.keys import DISPATCHER_GROUP, request_owner
+from packrat_mq.streams import ensure_group
+
 
 def eventually(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02) -> bool:
     """Whether ``predicate`` came true within ``timeout`` seconds (polled every ``interval``)."""
@@ -51,3 +55,22 @@ def interrupt(proc: subprocess.Popen[Any], timeout: float = 30.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def hand_out(r: Any, keys: Any, model: str, instance_id: str, requests: list[Any], batch_id: str = "b1") -> bytes:
+    """Do what the dispatcher does for one sub-batch, for tests that drive a worker directly.
+
+    Each request is XADDed to the model's request stream (its ``stream_id``
+    set to the new entry's), read by the dispatchers group and claimed for
+    the instance, and the sub-batch (ids and metadata) is XADDed to the
+    instance's queue; returns the queue entry's id.
+    """
+    stream = keys.requests(model)
+    ensure_group(r, stream, DISPATCHER_GROUP)
+    for req in requests:
+        fields = protocol.request_fields(req.id, req.reply_to, req.payload or b"", req.content_type, req.deadline_ms)
+        req.stream_id = r.xadd(stream, fields).decode()
+    r.xreadgroup(DISPATCHER_GROUP, "dispatcher", {stream: ">"})
+    if requests:
+        r.xclaim(stream, DISPATCHER_GROUP, request_owner(instance_id), 0, [q.stream_id for q in requests], justid=True)
+    return r.xadd(keys.queue(model, instance_id), protocol.encode_subbatch(requests, batch_id))

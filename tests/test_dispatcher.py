@@ -11,8 +11,9 @@ from dispatcher.dispatcher import Dispatcher, ensure_group
 from dispatcher.orphans import sweep
 from packrat_mq import protocol
 from packrat_mq.deployment import Deployment, InstanceRecord
-from packrat_mq.keys import DISPATCHER_GROUP, WORKER_GROUP
+from packrat_mq.keys import DISPATCHER_GROUP, WORKER_GROUP, request_owner
 from packrat_mq.settings import Settings
+from packrat_mq.streams import read_backlog
 
 MODEL = "m"
 
@@ -71,7 +72,21 @@ def replies(r: redis.Redis, stream: str) -> list[dict[str, str]]:
 
 
 def pending(r: redis.Redis, settings: Settings, model: str = MODEL) -> int:
-    return int(r.xpending(settings.keys.requests(model), DISPATCHER_GROUP)["pending"])
+    """Requests the dispatcher has read and not handed out (its own pending entries)."""
+    return len(r.xpending_range(settings.keys.requests(model), DISPATCHER_GROUP, "-", "+", 10_000,
+                                consumername="dispatcher"))
+
+
+def held_by(r: redis.Redis, settings: Settings, instance_id: str, model: str = MODEL) -> list[str]:
+    """Stream ids of the requests handed to one instance (pending under its consumer)."""
+    entries = r.xpending_range(settings.keys.requests(model), DISPATCHER_GROUP, "-", "+", 10_000,
+                               consumername=request_owner(instance_id))
+    return [e["message_id"].decode() for e in entries]
+
+
+def backlog(r: redis.Redis, settings: Settings, model: str = MODEL) -> int:
+    """Requests no dispatcher has read yet."""
+    return read_backlog(r, settings.keys.requests(model), DISPATCHER_GROUP)[0]
 
 
 def spy(monkeypatch: pytest.MonkeyPatch, obj: Any, name: str) -> list[tuple[dict[str, Any], Any]]:
@@ -104,9 +119,16 @@ def test_full_batch_split_per_deployment(r: redis.Redis, settings: Settings) -> 
     assert flat == ids
     first = q[dep.instances[0].id][0][0]
     assert first.reply_to == reply_key(settings)
-    assert first.payload == b'{"i": 0}' and first.content_type == protocol.JSON
-    assert r.xlen(settings.keys.requests(MODEL)) == 0
-    assert pending(r, settings) == 0
+    assert first.content_type == protocol.JSON
+    # The payload is not copied into the sub-batch: it stays in the request
+    # stream, handed to the instance, which fetches it by stream id.
+    assert first.payload is None and not first.inline
+    [(_, fields)] = r.xrange(settings.keys.requests(MODEL), first.stream_id, first.stream_id)
+    assert fields[b"payload"] == b'{"i": 0}'
+    for inst in dep.instances:
+        assert held_by(r, settings, inst.id) == [req.stream_id for req in q[inst.id][0]]
+    assert r.xlen(settings.keys.requests(MODEL)) == 8
+    assert backlog(r, settings) == 0 and pending(r, settings) == 0
     stats = r.hgetall(settings.keys.stats(MODEL))
     assert stats[b"requests"] == b"8" and stats[b"batches"] == b"1"
     assert replies(r, reply_key(settings)) == []  # nothing answered by the dispatcher
@@ -134,14 +156,16 @@ def test_fan_out_is_one_transaction(r: redis.Redis, settings: Settings, monkeypa
     monkeypatch.setattr(r, "pipeline", spy)
     assert d.run_once() == 4
     stream = settings.keys.requests(MODEL)
-    fanouts = [cmds for tx, cmds in executed if any(name == "XDEL" for name, _ in cmds)]
+    fanouts = [cmds for tx, cmds in executed if any(name == "XCLAIM" for name, _ in cmds)]
     assert len(fanouts) == 1
     [(tx, cmds)] = [(tx, c) for tx, c in executed if c is fanouts[0]]
-    assert tx, "queue XADDs and request XACK/XDEL must be one MULTI/EXEC"
-    assert ("XACK", stream) in cmds and ("XDEL", stream) in cmds
+    assert tx, "queue XADDs and the requests' XCLAIMs must be one MULTI/EXEC"
     for inst in dep.instances:
         assert ("XADD", settings.keys.queue(MODEL, inst.id)) in cmds
-    assert r.xlen(stream) == 0
+    assert [name for name, key in cmds if key == stream] == ["XCLAIM", "XCLAIM"]  # one per instance
+    assert backlog(r, settings) == 0 and pending(r, settings) == 0
+    assert sorted(sum((held_by(r, settings, i.id) for i in dep.instances), [])) == [
+        sid.decode() for sid, _ in r.xrange(stream)]
 
 
 def test_bad_requests_answered_rest_dispatched(r: redis.Redis, settings: Settings) -> None:
@@ -173,7 +197,9 @@ def test_bad_requests_answered_rest_dispatched(r: redis.Redis, settings: Setting
     assert 0 < r.ttl(reply) <= settings.reply_ttl_s
     assert 0 < r.ttl(other_reply) <= settings.reply_ttl_s
 
-    assert r.xlen(stream) == 0 and pending(r, settings) == 0
+    # The rejected are deleted; the dispatched stay, handed to their instances.
+    assert r.xlen(stream) == len(good) and backlog(r, settings) == 0 and pending(r, settings) == 0
+    assert sorted(f[b"id"].decode() for _, f in r.xrange(stream)) == sorted(good)
     stats = r.hgetall(settings.keys.stats(MODEL))
     assert stats[b"requests"] == b"8"
     assert stats[b"rejected"] == b"5"
@@ -206,17 +232,27 @@ def test_partial_batch_after_timeout(r: redis.Redis, settings: Settings, monkeyp
     dep = deploy(r, settings, [(4, 8), (2, 4), (2, 4)])
     d = make_dispatcher(r, settings)
     send(r, settings, 6)
-    reads = spy(monkeypatch, d.r, "xreadgroup")
+    reads: list[tuple[int | None, int]] = []  # (block_ms, entries read) of each read of the batch
+    real_read = d.aggregator.read
+
+    def read(count: int, block_ms: int | None) -> list[Any]:
+        got = real_read(count, block_ms)
+        reads.append((block_ms, len(got)))
+        return got
+
+    monkeypatch.setattr(d.aggregator, "read", read)
+    blocking = spy(monkeypatch, d.r, "xreadgroup")
     t0 = time.monotonic()
     assert d.run_once() == 6
     elapsed_ms = (time.monotonic() - t0) * 1000
     assert elapsed_ms >= settings.batch_timeout_ms, "a partial batch must wait for the batch timeout"
     # The window is kept by polling, never by a blocking read: Redis ends a
     # BLOCK only on its 10 Hz cron tick, which made a 2 ms window cost 100 ms.
-    first = next(i for i, (_, got) in enumerate(reads) if got and got[0][1])  # the batch's first arrival
-    window = [kw.get("block") for kw, _ in reads[first + 1:]]
+    assert reads[0][1] == 6, "the waiting requests are read at once"
+    window = [block for block, _ in reads[1:]]
     assert len(window) >= 2, "the window was polled"
     assert window == [None] * len(window), window
+    assert blocking == [], "requests already waiting are read without their payloads, never by a blocking read"
     q = queued(r, settings, dep)
     sizes = [sum(len(s) for s in q[i.id]) for i in dep.instances]
     assert sizes == [4, 1, 1]  # split by threads: the 4-thread instance takes more
@@ -270,7 +306,7 @@ def test_no_read_while_an_instance_queue_is_full(r: redis.Redis, settings: Setti
     r.xtrim(busy, maxlen=1, approximate=False)
     r.lpush(settings.keys.wakeup(MODEL), dep.instances[1].id)
     assert d.run_once() == 4
-    assert r.xlen(stream) == 0
+    assert backlog(r, settings) == 0
     assert r.xlen(busy) == 2
 
 
@@ -362,7 +398,7 @@ def test_entries_read_but_not_dispatched_are_recovered(r: redis.Redis, settings:
     dispatched = [req.id for inst in dep.instances for sub in q[inst.id] for req in sub]
     assert sorted(dispatched) == sorted(ids + later), "each request exactly once"
     assert len(dispatched) == len(set(dispatched))
-    assert r.xlen(stream) == 0 and pending(r, settings) == 0
+    assert backlog(r, settings) == 0 and pending(r, settings) == 0
 
 
 def test_recovery_of_more_entries_than_a_batch(r: redis.Redis, settings: Settings) -> None:
@@ -460,7 +496,7 @@ def test_reply_to_of_wrong_type_does_not_kill_the_dispatcher(r: redis.Redis, set
     assert [req.id for sub in queued(r, settings, dep)[dep.instances[0].id] for req in sub] == good
     assert [rep["id"] for rep in replies(r, reply_key(settings))] == ["bad"]
     assert r.get(not_a_stream) == b"v"
-    assert r.xlen(stream) == 0 and pending(r, settings) == 0
+    assert backlog(r, settings) == 0 and pending(r, settings) == 0
     assert r.hget(settings.keys.stats(MODEL), "rejected") == b"2"
 
 

@@ -1,6 +1,7 @@
 """The wire format: request validation, payload codecs and sub-batch encoding."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import pickle
@@ -167,6 +168,24 @@ def test_decode_npy() -> None:
     np.testing.assert_array_equal(out, arr)
 
 
+@pytest.mark.parametrize("arr", [
+    np.asfortranarray(np.arange(12, dtype=np.int64).reshape(3, 4)),
+    np.arange(6, dtype=">f8").reshape(2, 3),
+    np.array(2.5),
+    np.zeros((0, 3), dtype=np.uint8),
+    np.arange(4, dtype=np.float32)[::-1],
+], ids=["fortran", "big-endian", "scalar", "empty", "reversed"])
+def test_decode_npy_is_a_read_only_view_of_the_payload(arr: np.ndarray) -> None:
+    """No copy of a 600 KB image before the handler's own; the view cannot be written through."""
+    payload = npy_bytes(arr)
+    out = protocol.decode_payload(protocol.NPY, payload)
+    assert out.shape == arr.shape and out.dtype == arr.dtype
+    np.testing.assert_array_equal(out, arr)
+    assert not out.flags.writeable
+    if out.size:
+        assert np.shares_memory(out, np.frombuffer(payload, dtype=np.uint8))
+
+
 class _Boom:
     """Unpickling this would run code; the test fails if it ever is."""
 
@@ -324,8 +343,19 @@ def test_subbatch_round_trip_binary_and_unicode() -> None:
     ]
     encoded = protocol.encode_subbatch(requests, "batch-7")
     assert encoded["batch"] == "batch-7"
+    assert set(encoded) == {"batch", "meta"}, "payloads stay in the request stream"
     decoded = protocol.decode_subbatch(_redis_round_trip(encoded))
-    assert decoded == requests
+    assert decoded == [dataclasses.replace(req, payload=None) for req in requests]
+
+
+def test_subbatch_with_inline_payloads_from_an_older_dispatcher() -> None:
+    """A queue filled before payloads stayed in the request stream is still served as it was."""
+    requests = [Request(id=f"r{i}", reply_to="rt", payload=bytes([i, 255]), content_type=protocol.BYTES,
+                        enqueued_ms=i, stream_id=f"{i}-0") for i in range(3)]
+    fields = protocol.encode_subbatch(requests, "old")
+    fields.update({f"p{i}": req.payload for i, req in enumerate(requests)})
+    decoded = protocol.decode_subbatch(_redis_round_trip(fields))
+    assert [(d.payload, d.inline) for d in decoded] == [(req.payload, True) for req in requests]
 
 
 def test_subbatch_round_trip_through_redis(r) -> None:  # type: ignore[no-untyped-def]
@@ -336,7 +366,7 @@ def test_subbatch_round_trip_through_redis(r) -> None:  # type: ignore[no-untype
     ]
     r.xadd("q", protocol.encode_subbatch(requests, "b1"))
     [(_, entry)] = r.xrange("q")
-    assert protocol.decode_subbatch(entry) == requests
+    assert protocol.decode_subbatch(entry) == [dataclasses.replace(req, payload=None) for req in requests]
 
 
 def test_reply_fields_status_follows_error() -> None:

@@ -27,7 +27,7 @@ from packrat_mq.keys import DISPATCHER_GROUP, WORKER_GROUP
 from packrat_mq.settings import Settings
 from packrat_mq.streams import ensure_group
 from packrat_mq.zoo.testing import EchoHandler
-from tests.helpers import eventually
+from tests.helpers import eventually, hand_out
 from workers.worker import Worker, WorkerSpec
 
 MODEL = "m"
@@ -120,7 +120,7 @@ def test_poison_payloads_fail_alone_and_the_worker_serves_on(r: redis.Redis, set
     batch = [request(name, payload, ctype, reply_to) for name, (payload, ctype, _) in POISON.items()]
     batch.append(request("good", b'{"ok": 1}', protocol.JSON, reply_to))
     batch.append(request("good-npy", npy(np.arange(4.0)), protocol.NPY, reply_to))
-    r.xadd(w.queue, protocol.encode_subbatch(batch, "b1"))
+    hand_out(r, w.keys, w.spec.model, w.spec.instance_id, batch, "b1")
     assert w.run_once(block_ms=100) == 1
     got = by_id(r, reply_to)
     assert set(got) == {*POISON, "good", "good-npy"}
@@ -149,9 +149,9 @@ class Exploding(EchoHandler):
 def test_handler_failures_fail_their_batch_only(r: redis.Redis, settings: Settings, kind: str) -> None:
     w = make_worker(r, settings, Exploding())
     reply_to = settings.keys.replies("c")
-    r.xadd(w.queue, protocol.encode_subbatch([request("bad", f'{{"raise": "{kind}"}}'.encode(), protocol.JSON,
-                                                      reply_to)], "b1"))
-    r.xadd(w.queue, protocol.encode_subbatch([request("next", b'{"fine": true}', protocol.JSON, reply_to)], "b2"))
+    bad = request("bad", f'{{"raise": "{kind}"}}'.encode(), protocol.JSON, reply_to)
+    hand_out(r, w.keys, w.spec.model, w.spec.instance_id, [bad], "b1")
+    hand_out(r, w.keys, w.spec.model, w.spec.instance_id, [request("next", b'{"fine": true}', protocol.JSON, reply_to)], "b2")
     w.run_once(block_ms=100)
     w.run_once(block_ms=100)
     got = by_id(r, reply_to)
@@ -174,7 +174,7 @@ def test_worker_loop_survives_an_error_in_an_iteration(r: redis.Redis, settings:
 
     monkeypatch.setattr(w, "read", flaky)
     reply_to = settings.keys.replies("c")
-    r.xadd(w.queue, protocol.encode_subbatch([request("x", b"1", protocol.JSON, reply_to)], "b1"))
+    hand_out(r, w.keys, w.spec.model, w.spec.instance_id, [request("x", b"1", protocol.JSON, reply_to)], "b1")
     t = threading.Thread(target=w.run, daemon=True)
     t.start()
     try:
@@ -258,7 +258,7 @@ def test_replies_never_expire_or_write_keys_they_did_not_create(r: redis.Redis, 
              request("to-persistent", b"2", protocol.JSON, f"{other}:persistent-stream"),
              request("to-volatile", b"3", protocol.JSON, f"{other}:volatile-stream"),
              request("to-new", b"4", protocol.JSON, f"{other}:new-stream")]
-    r.xadd(w.queue, protocol.encode_subbatch(batch, "b1"))
+    hand_out(r, w.keys, w.spec.model, w.spec.instance_id, batch, "b1")
     w.run_once(block_ms=100)
     assert r.ttl(f"{other}:hash") == -1 and r.hgetall(f"{other}:hash") == {b"k": b"v"}
     assert r.ttl(f"{other}:persistent-stream") == -1, "a persistent key must never become volatile"
@@ -274,7 +274,7 @@ def test_undeliverable_reply_is_logged_with_request_id_and_key(r: redis.Redis, s
                                                                 caplog: pytest.LogCaptureFixture) -> None:
     w = make_worker(r, settings)
     r.hset(f"{prefix}-other:h", "k", "v")
-    r.xadd(w.queue, protocol.encode_subbatch([request("req-42", b"1", protocol.JSON, f"{prefix}-other:h")], "b"))
+    hand_out(r, w.keys, w.spec.model, w.spec.instance_id, [request("req-42", b"1", protocol.JSON, f"{prefix}-other:h")], "b")
     with caplog.at_level(logging.WARNING):
         w.run_once(block_ms=100)
     assert any("req-42" in rec.getMessage() and f"{prefix}-other:h" in rec.getMessage() for rec in caplog.records)
@@ -388,7 +388,7 @@ def test_worker_recreates_its_group_when_redis_lost_it(r: redis.Redis, settings:
     w = running_worker
     r.delete(w.queue)  # what a restart without persistence does to the queue and its group
     assert eventually(lambda: r.hget(w.instance_key, "groups_recreated") == b"1")
-    r.xadd(w.queue, protocol.encode_subbatch([request("after", b"1", protocol.JSON, settings.keys.replies("c"))], "b"))
+    hand_out(r, w.keys, w.spec.model, w.spec.instance_id, [request("after", b"1", protocol.JSON, settings.keys.replies("c"))], "b")
     assert eventually(lambda: r.xlen(settings.keys.replies("c")) == 1)
     assert int(r.hget(w.instance_key, "loop_errors") or 0) == 0
 

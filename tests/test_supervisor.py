@@ -19,7 +19,7 @@ import redis
 from packrat_mq import protocol
 from packrat_mq.client import Client
 from packrat_mq.instances import Configuration
-from packrat_mq.keys import WORKER_GROUP
+from packrat_mq.keys import DISPATCHER_GROUP, WORKER_GROUP
 from packrat_mq.records import DispatcherState, InstanceState, SupervisorState, ttl_for
 from packrat_mq.settings import Settings
 from tests.helpers import wait_for
@@ -67,6 +67,22 @@ def replies_by_id(r: redis.Redis, reply_to: str) -> Counter[str]:
 def queued_ids(r: redis.Redis, queue: str) -> list[str]:
     """Request ids of the sub-batches in an instance queue."""
     return [req.id for _, fields in r.xrange(queue) for req in protocol.decode_subbatch(fields)]
+
+
+def stream_ids(r: redis.Redis, settings: Settings, model: str, *, held: bool) -> list[str]:
+    """Request ids in the model's request stream that an instance holds (``held``), or that none does.
+
+    Requests handed to an instance stay in the request stream (their payloads
+    are read from there) until it answers them, pending under the consumer
+    ``instance:<id>``; the others wait for the dispatcher.
+    """
+    stream = settings.keys.requests(model)
+    try:
+        pending = r.xpending_range(stream, DISPATCHER_GROUP, min="-", max="+", count=100_000)
+    except redis.ResponseError:  # no such stream or group yet
+        pending = []
+    owned = {e["message_id"] for e in pending if e["consumer"].startswith(b"instance:")}
+    return [f[b"id"].decode() for sid, f in r.xrange(stream) if (sid in owned) == held]
 
 
 def pending_count(r: redis.Redis, queue: str) -> int:
@@ -273,7 +289,8 @@ def test_a_worker_busy_past_the_grace_is_killed_and_its_batch_kept(make: MakeSup
     assert queued_ids(r, queue) == [rid]
     (pending,) = r.xpending_range(queue, WORKER_GROUP, min="-", max="+", count=10)
     assert pending["consumer"].decode() == inst.record.id
-    assert r.xlen(settings.keys.requests("sleep")) == 0
+    assert stream_ids(r, settings, "sleep", held=True) == [rid]
+    assert stream_ids(r, settings, "sleep", held=False) == []
     assert not r.exists(client.reply_to)
     # The rest of the deployment is retired.
     assert not r.exists(inst.child.record_key)
@@ -296,8 +313,9 @@ def test_a_queue_kept_at_shutdown_is_served_exactly_once_by_the_next_start(
 
     kept = queued_ids(r, queue)
     assert kept[0] == slow and len(kept) >= 2, kept
-    in_stream = [f[b"id"].decode() for _, f in r.xrange(settings.keys.requests("sleep"))]
+    in_stream = stream_ids(r, settings, "sleep", held=False)
     assert sorted(kept + in_stream) == sorted([slow, *quick])
+    assert sorted(stream_ids(r, settings, "sleep", held=True)) == sorted(kept)
     assert not r.exists(client.reply_to)
 
     # The same node and generation, now with a fast handler for the same model.
@@ -328,10 +346,12 @@ def test_stopping_with_requests_in_flight_loses_and_duplicates_nothing(
 
     def where() -> tuple[Counter[str], Counter[str], Counter[str]]:
         return (replies_by_id(r, client.reply_to),
-                Counter(f[b"id"].decode() for _, f in r.xrange(settings.keys.requests("sleep"))),
+                Counter(stream_ids(r, settings, "sleep", held=False)),
                 Counter(queued_ids(r, queue)))
 
     replied, in_stream, in_queue = where()
+    # A queued request's entry (with its payload) is held in the request stream for its instance.
+    assert Counter(stream_ids(r, settings, "sleep", held=True)) == in_queue
     assert set(replied) | set(in_stream) | set(in_queue) == set(ids)
     for rid in ids:
         assert replied[rid] + in_stream[rid] + in_queue[rid] == 1, (

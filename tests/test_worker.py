@@ -14,9 +14,10 @@ import redis
 from dispatcher.dispatcher import ensure_group
 from packrat_mq import protocol
 from packrat_mq.handler import BaseHandler, Context
-from packrat_mq.keys import WORKER_GROUP
+from packrat_mq.keys import DISPATCHER_GROUP, WORKER_GROUP
 from packrat_mq.settings import Settings
 from packrat_mq.zoo.testing import EchoHandler, SleepHandler
+from tests.helpers import hand_out
 from workers.worker import Worker, WorkerSpec
 
 MODEL = "m"
@@ -72,7 +73,7 @@ def request(i: int, value: Any = None, *, reply_to: str | None = None, deadline_
 
 
 def push(r: redis.Redis, w: Worker, reqs: list[protocol.Request], batch_id: str = "b1") -> bytes:
-    return r.xadd(w.queue, protocol.encode_subbatch(reqs, batch_id))
+    return hand_out(r, w.keys, MODEL, w.spec.instance_id, reqs, batch_id)
 
 
 def step(w: Worker) -> int:
@@ -92,8 +93,12 @@ def text(f: dict[bytes, bytes], name: str) -> str:
 
 
 def assert_queue_clean(r: redis.Redis, w: Worker) -> None:
+    """Nothing left: neither the sub-batch in the queue nor its requests in the request stream."""
     assert r.xlen(w.queue) == 0
     assert r.xpending(w.queue, WORKER_GROUP)["pending"] == 0
+    assert r.xlen(w.requests_stream) == 0
+    if r.exists(w.requests_stream):
+        assert r.xpending(w.requests_stream, DISPATCHER_GROUP)["pending"] == 0
 
 
 # --- replies -----------------------------------------------------------------
@@ -139,6 +144,45 @@ def test_replies_for_every_request(r: redis.Redis, settings: Settings) -> None:
     assert w.handler.calls == 1  # type: ignore[attr-defined]
     assert w.batches == 1
     assert r.hget(w.instance_key, "batches") == b"1"
+
+
+def test_payloads_are_fetched_from_the_request_stream_and_deleted_with_the_replies(
+    r: redis.Redis, settings: Settings
+) -> None:
+    w = make_worker(r, settings)
+    reqs = [request(0), request(1, "two")]
+    push(r, w, reqs)
+    [(_, sub)] = r.xrange(w.queue)
+    assert b"p0" not in sub, "the sub-batch names the requests; their payloads stay in the request stream"
+    assert step(w) == 1
+    values = [protocol.decode_payload(text(f, "content_type"), f[b"payload"]) for f in replies(r)]
+    assert values == [{"i": 0}, "two"]
+    assert_queue_clean(r, w)
+
+
+def test_a_request_gone_from_the_stream_fails_alone(r: redis.Redis, settings: Settings) -> None:
+    w = make_worker(r, settings)
+    reqs = [request(0), request(1)]
+    push(r, w, reqs)
+    r.xdel(w.requests_stream, reqs[0].stream_id)  # trimmed by someone else before it was served
+    assert step(w) == 1
+    got = {text(f, "id"): f for f in replies(r)}
+    assert text(got["req-0"], "status") == protocol.ERROR
+    assert "no longer in the request stream" in text(got["req-0"], "error")
+    assert text(got["req-1"], "status") == protocol.OK
+    assert_queue_clean(r, w)
+
+
+def test_sub_batch_with_inline_payloads_is_served_as_before(r: redis.Redis, settings: Settings) -> None:
+    """A queue entry written by an older dispatcher (payloads in p0, p1, ...) during an upgrade."""
+    w = make_worker(r, settings)
+    reqs = [request(0), request(1)]
+    fields = protocol.encode_subbatch(reqs, "old")
+    fields.update({f"p{i}": req.payload for i, req in enumerate(reqs)})
+    r.xadd(w.queue, fields)
+    assert step(w) == 1
+    assert [text(f, "status") for f in replies(r)] == [protocol.OK, protocol.OK]
+    assert r.xlen(w.queue) == 0
 
 
 def test_replies_go_to_each_producers_stream(r: redis.Redis, settings: Settings) -> None:

@@ -3,8 +3,10 @@
 Started by the supervisor (``python -m workers.worker``, its spec on stdin,
 its thread variables in its environment: see :mod:`workers.launch`); it
 becomes a ready instance with :func:`workers.runtime.start` (the same start
-the profiler measures), then loops: read a sub-batch, run it, and in one MULTI/EXEC
-send every reply, XACK and XDEL the sub-batch and wake the dispatcher. The
+the profiler measures), then loops: read a sub-batch (request metadata and
+stream ids), fetch its payloads from the request stream, run it, and in one
+MULTI/EXEC send every reply, XACK and XDEL the sub-batch and its requests
+and wake the dispatcher. The
 transaction is what makes each request answered exactly once: a worker that
 dies before EXEC leaves the sub-batch pending, and its replacement (same
 consumer name) delivers it again; one that dies after has nothing pending.
@@ -33,7 +35,7 @@ from packrat_mq import logs, protocol, replies
 from packrat_mq.backoff import Backoff
 from packrat_mq.connection import connect
 from packrat_mq.handler import BaseHandler, Input, Outcome, run_batch
-from packrat_mq.keys import WORKER_GROUP
+from packrat_mq.keys import DISPATCHER_GROUP, WORKER_GROUP
 from packrat_mq.records import InstanceState
 from packrat_mq.recovery import recover
 from packrat_mq.settings import Settings
@@ -70,6 +72,7 @@ class Worker:
         self.settings = spec.settings
         self.keys = self.settings.keys
         self.queue = self.keys.queue(spec.model, spec.instance_id)
+        self.requests_stream = self.keys.requests(spec.model)
         self.instance_key = self.keys.instance(spec.model, spec.instance_id)
         self._stopping = threading.Event()
         self._recovering = True
@@ -184,6 +187,7 @@ class Worker:
             log.error("unreadable sub-batch %s dropped: %s", entry_id, exc)
             self._finish(entry_id, [])
             return
+        self.fetch_payloads(requests)
         started_ms = time.time() * 1000.0
         if self._recovering:
             deliveries = self._deliveries(entry_id)
@@ -204,6 +208,22 @@ class Worker:
             inference_ms = 0.0
         self._finish(entry_id, requests, outcomes, started_ms=started_ms, inference_ms=inference_ms)
 
+    def fetch_payloads(self, requests: list[protocol.Request]) -> None:
+        """Read the sub-batch's payloads from the request stream, where the producer wrote them.
+
+        One pipelined ``XRANGE id id`` per request: the only time a payload
+        leaves Redis. A request whose entry is gone (deleted or trimmed by
+        someone else) keeps ``payload=None`` and is answered with an error.
+        """
+        wanted = [req for req in requests if not req.inline]
+        if not wanted:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        for req in wanted:
+            pipe.xrange(self.requests_stream, req.stream_id, req.stream_id)
+        for req, entries in zip(wanted, pipe.execute()):
+            req.payload = protocol.payload_of(entries)
+
     def _serve(self, requests: list[protocol.Request], started_ms: float) -> tuple[list[Outcome], float]:
         outcomes: list[Outcome | None] = [None] * len(requests)
         items: list[Input] = []
@@ -211,6 +231,10 @@ class Worker:
         for k, req in enumerate(requests):
             if req.deadline_ms is not None and req.deadline_ms <= started_ms:
                 outcomes[k] = Outcome(error=f"deadline exceeded before inference ({started_ms - req.deadline_ms:.0f} ms late)")
+                continue
+            if req.payload is None:
+                outcomes[k] = Outcome(error="the request is no longer in the request stream "
+                                            "(deleted or trimmed before it was served)")
                 continue
             try:
                 data = protocol.decode_payload(req.content_type, req.payload)
@@ -264,6 +288,11 @@ class Worker:
         grouped = replies.queue(pipe, pairs, ttl_s=self.settings.reply_ttl_s, stats_key=stats)
         pipe.xack(self.queue, WORKER_GROUP, entry_id)
         pipe.xdel(self.queue, entry_id)
+        # The requests themselves, left in the request stream by the dispatcher (owned by this instance).
+        fetched = [req.stream_id for req in requests if req.stream_id and not req.inline]
+        if fetched:
+            pipe.xack(self.requests_stream, DISPATCHER_GROUP, *fetched)
+            pipe.xdel(self.requests_stream, *fetched)
         pipe.lpush(self.keys.wakeup(s.model), s.instance_id)
         pipe.ltrim(self.keys.wakeup(s.model), 0, WAKEUP_CAP - 1)
         InstanceState.count(pipe, self.instance_key, "batches", renew=False)

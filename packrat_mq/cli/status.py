@@ -16,9 +16,10 @@ import redis
 from packrat_mq.cli.helpers import connect_or_fail, echo_json, redis_options
 from packrat_mq.connection import redact
 from packrat_mq.deployment import Deployment
-from packrat_mq.keys import Keys
+from packrat_mq.keys import DISPATCHER_GROUP, Keys
 from packrat_mq.records import DispatcherState, InstanceState, LiveRecord, SupervisorState
 from packrat_mq.settings import Settings
+from packrat_mq.streams import read_backlog
 
 
 def _process(record: LiveRecord | None, now: float) -> dict[str, Any]:
@@ -40,9 +41,11 @@ def collect_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
         raw = r.get(keys.config(model))
         deployment = Deployment.model_validate_json(raw) if raw else None
         stats = {k.decode(): int(v) for k, v in r.hgetall(keys.stats(model)).items()}
+        backlog, in_flight = read_backlog(r, keys.requests(model), DISPATCHER_GROUP)
         entry: dict[str, Any] = {
             "model": model,
-            "backlog": r.xlen(keys.requests(model)),
+            "backlog": backlog,
+            "in_flight": in_flight,
             "stats": stats,
             "configuration": str(deployment.configuration) if deployment else None,
             "batch": deployment.batch if deployment else None,
@@ -102,7 +105,7 @@ def render(doc: dict[str, Any], prefix: str) -> str:
         bound = m["dispatcher"].get("max_backlog")
         lines.append(f"{m['model']}: {m['configuration'] or 'no deployment'} (B={m['batch']}, "
                      f"generation {m['generation']}), backlog {m['backlog']}"
-                     + (f" of at most {bound}" if bound else "") + ", "
+                     + (f" of at most {bound}" if bound else "") + f", in flight {m['in_flight']}, "
                      + ", ".join(f"{k} {v}" for k, v in sorted(m["stats"].items()))
                      + (f"; {rates['requests_per_s']:.1f} req/s, {rates['replies_per_s']:.1f} replies/s" if rates else ""))
         d = m["dispatcher"]

@@ -28,6 +28,10 @@ class SleepHandler(BaseHandler):
     The batch sleeps ``base_ms + per_item_ms * len(batch)`` (context options,
     defaults 10 ms and 0 ms), or the largest ``{"sleep_ms": x}`` found in its
     requests. Replies with ``{"slept_ms": ..., "batch": n}``.
+
+    Any other payload (an ``.npy`` array, text, bytes) is accepted and only
+    sleeps: a stand-in for a real model's input when measuring the serving
+    path (``benchmarks/bench_payload.py`` sends it 600 KB images).
     """
 
     traceable = False
@@ -42,10 +46,8 @@ class SleepHandler(BaseHandler):
 
     def validate(self, item: Input) -> None:
         data = item.data
-        if data is None:
-            return
         if not isinstance(data, dict):
-            raise BadRequest("sleep expects a JSON object such as {\"sleep_ms\": 5}")
+            return  # any other input is a stand-in payload: it only sleeps
         ms = data.get("sleep_ms", 0)
         if not isinstance(ms, (int, float)) or isinstance(ms, bool) or not 0 <= ms <= 60_000:
             raise BadRequest("sleep_ms must be a number of milliseconds between 0 and 60000")

@@ -19,6 +19,7 @@ Output, per request: ``{"top5": [[class_index, probability], ...]}``.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -99,7 +100,7 @@ class ImageClassifierHandler(BaseHandler):
         images = []
         for item in items:
             image = self._as_array(item)
-            tensor = torch.from_numpy(np.ascontiguousarray(image))
+            tensor = _as_tensor(np.ascontiguousarray(image))
             tensor = tensor.float().div_(255.0) if image.dtype == np.uint8 else tensor.float()
             tensor = (tensor - self._mean) / self._std
             if tensor.shape[1:] != (self.size, self.size):
@@ -144,3 +145,18 @@ class InceptionV3Handler(ImageClassifierHandler):
         from torchvision.models import inception_v3
 
         return inception_v3(weights=None, aux_logits=False, init_weights=False)
+
+
+def _as_tensor(image: np.ndarray) -> torch.Tensor:
+    """A tensor sharing ``image``'s memory, also when it is a read-only view of a payload.
+
+    ``.npy`` payloads decode to read-only views of the bytes read from Redis
+    (no copy); torch warns that writing through such a tensor is undefined.
+    ``preprocess`` only reads it (normalising builds new tensors), so the
+    warning says nothing here.
+    """
+    if image.flags.writeable:
+        return torch.from_numpy(image)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(image)

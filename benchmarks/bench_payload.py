@@ -1,0 +1,124 @@
+"""Serving overhead for large payloads: a batch of 600 KB images, as a vision model gets them.
+
+Overhead = client-measured end-to-end latency minus the handler's own time
+(``inference_ms`` in the reply): the Redis hops, the dispatcher, the copies
+and decoding of the payload, the reply. The model is ``sleep`` (it sleeps
+``--sleep-ms`` per batch and replies with a few bytes), so the figure is the
+path's alone and the cores are free for it, as they are between batches of a
+real model.
+
+Each round sends B requests at once (one pipelined XADD, as B producers
+arriving together would), each a float32 ``1x3x224x224`` ``.npy`` array
+(602 KB), to one instance of batch B, and waits for every reply. Reported:
+per-request overhead p50/p99 over all rounds, and the batch's wall time.
+
+Run: ``python -m benchmarks.bench_payload [--batch 8] [--rounds 200]``.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+os.environ.setdefault("PACKRAT_LOG_LEVEL", "WARNING")
+
+from packrat_mq import protocol  # noqa: E402
+from packrat_mq.client import Client  # noqa: E402
+from packrat_mq.connection import EmbeddedRedis, connect  # noqa: E402
+from packrat_mq.instances import Configuration  # noqa: E402
+from packrat_mq.settings import Settings  # noqa: E402
+from workers.supervisor import Supervisor  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def image_npy(seed: int = 0) -> bytes:
+    """One ImageNet-sized float32 image as ``.npy`` bytes (602,240 bytes)."""
+    arr = np.random.default_rng(seed).standard_normal((1, 3, 224, 224), dtype=np.float32)
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return buf.getvalue()
+
+
+def run(url: str, batch: int, rounds: int, sleep_ms: float, warmup: int = 20) -> dict[str, Any]:
+    r = connect(url)
+    r.flushdb()
+    settings = Settings(redis_url=url, batch_timeout_ms=50.0)
+    payload = image_npy()
+    threads = 1
+    config = Configuration.parse(f"{threads}x{batch}")
+    overhead: list[float] = []
+    wall: list[float] = []
+    with Supervisor(r, settings, url, "sleep", config, options={"base_ms": sleep_ms}):
+        client = Client(connect(url))
+        for k in range(warmup + rounds):
+            ms, reps = client.time_batch("sleep", [payload] * batch, content_type=protocol.NPY)
+            bad = [x.error for x in reps if not x.ok]
+            if bad:
+                raise RuntimeError(f"{len(bad)} requests failed: {bad[0]}")
+            if k >= warmup:
+                wall.append(ms - reps[0].inference_ms)
+                overhead.extend((x.latency_ms or 0.0) - x.inference_ms for x in reps)
+        client.close()
+    return {
+        "overhead_p50_ms": float(np.percentile(overhead, 50)),
+        "overhead_p99_ms": float(np.percentile(overhead, 99)),
+        "batch_overhead_p50_ms": float(np.percentile(wall, 50)),
+        "payload_bytes": len(payload),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=200, help="batches timed per run")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--sleep-ms", type=float, default=20.0, help="the stand-in model's time per batch")
+    ap.add_argument("--url", default=None, help="a Redis URL (default: an embedded redis-server)")
+    ap.add_argument("--json-out", default=str(RESULTS / "payload.json"))
+    args = ap.parse_args(argv)
+    runs: dict[str, list[float]] = {}
+    payload_bytes = 0
+
+    def measure(url: str) -> None:
+        nonlocal payload_bytes
+        for k in range(args.runs):
+            res = run(url, args.batch, args.rounds, args.sleep_ms)
+            payload_bytes = res.pop("payload_bytes")
+            for name, value in res.items():
+                runs.setdefault(name, []).append(value)
+            print(f"run {k + 1}/{args.runs}: " + ", ".join(f"{n} {v:.2f}" for n, v in res.items()), file=sys.stderr)
+
+    if args.url:
+        measure(args.url)
+    else:
+        with EmbeddedRedis(announce=False) as server:
+            measure(server.url)
+    figures = {name: {"median": float(np.median(v)), "min": float(np.min(v)), "max": float(np.max(v))}
+               for name, v in runs.items()}
+    result = {
+        "benchmark": f"large-payload overhead (sleep model, B={args.batch}, {payload_bytes} B .npy per request)",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "batch": args.batch, "rounds": args.rounds, "runs": args.runs, "sleep_ms": args.sleep_ms,
+        "figures": figures, "raw": runs,
+    }
+    Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json_out).write_text(json.dumps(result, indent=2))
+    print(f"{'figure':<28} {'median':>8} {'min':>8} {'max':>8}")
+    for name, s in figures.items():
+        print(f"{name:<28} {s['median']:>8.2f} {s['min']:>8.2f} {s['max']:>8.2f}")
+    print(f"written to {args.json_out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Reading the request stream without payloads (dispatcher.reading) against a real Redis."""
+from __future__ import annotations
+
+import redis
+
+from dispatcher.reading import read_fields
+from packrat_mq.protocol import PAYLOAD_BYTES
+from packrat_mq.streams import ensure_group
+
+SIZE = PAYLOAD_BYTES.encode()
+
+
+def test_entries_come_without_payloads_but_with_their_sizes(r: redis.Redis, prefix: str) -> None:
+    stream = f"{prefix}:s"
+    ensure_group(r, stream, "g")
+    big = bytes(range(256)) * 2400  # 614,400 bytes
+    first = r.xadd(stream, {"id": "a", "reply_to": "x", "payload": big, "content_type": "application/octet-stream"})
+    second = r.xadd(stream, {"id": "b", "payload": b""})
+    entries = read_fields(r, stream, "g", "c", 10)
+    assert [sid for sid, _ in entries] == [first, second]
+    a, b = (fields for _, fields in entries)
+    assert a == {b"id": b"a", b"reply_to": b"x", SIZE: str(len(big)).encode(),
+                 b"content_type": b"application/octet-stream"}
+    assert b == {b"id": b"b", SIZE: b"0"}
+    # They were read by the group like XREADGROUP would: pending for the consumer, nothing new left.
+    assert r.xpending(stream, "g")["pending"] == 2
+    assert read_fields(r, stream, "g", "c", 10) == []
+
+
+def test_count_pending_reread_and_deleted_entries(r: redis.Redis, prefix: str) -> None:
+    stream = f"{prefix}:s"
+    ensure_group(r, stream, "g")
+    ids = [r.xadd(stream, {"id": str(i), "payload": b"x" * i}) for i in range(4)]
+    assert [sid for sid, _ in read_fields(r, stream, "g", "c", 3)] == ids[:3]
+    r.xdel(stream, ids[1])
+    # Re-reading the consumer's own pending entries (after a crash), from the start and after an id.
+    again = read_fields(r, stream, "g", "c", 10, "0")
+    assert again == [(ids[0], {b"id": b"0", SIZE: b"0"}), (ids[1], None), (ids[2], {b"id": b"2", SIZE: b"2"})]
+    assert [sid for sid, _ in read_fields(r, stream, "g", "c", 10, ids[1])] == [ids[2]]
+    assert read_fields(r, stream, "g", "other", 10, "0") == [], "another consumer's pending entries are not read"
+
+
+def test_a_producer_cannot_forge_the_size_field(r: redis.Redis, prefix: str) -> None:
+    stream = f"{prefix}:s"
+    ensure_group(r, stream, "g")
+    r.xadd(stream, {"id": "forged", PAYLOAD_BYTES: "1"})  # no payload at all
+    [(_, fields)] = read_fields(r, stream, "g", "c", 1)
+    assert fields == {b"id": b"forged"}, "no payload field: the dispatcher rejects it as missing"
