@@ -366,7 +366,8 @@ def run_reported(setup: Setup, round_no: int, args: argparse.Namespace, workdir:
     ld, idle = row["load"], row["idle"]
     print(f"  {row.get('configuration') or ''} p50 {_f(ld['p50_ms'])} ms, p99 {_f(ld['p99_ms'])} ms, "
           f"{_f(ld['requests_per_s'])} req/s, idle p50 {_f(idle['p50_ms'])} ms, "
-          f"errors {ld['errors'] + idle['errors']} (ready in {row['ready_s']:.1f} s)", file=sys.stderr, flush=True)
+          f"errors {ld['errors'] + idle['errors']}, requests per client {min(ld['per_client_requests'])}-"
+          f"{max(ld['per_client_requests'])} (ready in {row['ready_s']:.1f} s)", file=sys.stderr, flush=True)
     return row
 
 

@@ -128,6 +128,8 @@ class LoadResult:
     errors: int = 0
     error_samples: dict[str, int] = field(default_factory=dict)
     requests_total: int = 0
+    #: Requests each client sent in the window: a server that serves some clients and starves others shows here.
+    per_client: list[int] = field(default_factory=list)
 
     def percentile(self, q: float) -> float | None:
         return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else None
@@ -142,7 +144,8 @@ class LoadResult:
                 "mean_ms": float(np.mean(self.latencies_ms)) if self.latencies_ms else None,
                 "requests_per_s": self.requests_per_s, "measured_requests": len(self.latencies_ms),
                 "completed_in_window": self.completed, "errors": self.errors,
-                "error_samples": self.error_samples, "requests_total": self.requests_total}
+                "error_samples": self.error_samples, "requests_total": self.requests_total,
+                "per_client_requests": self.per_client}
 
 
 def closed_loop(target: Target, payload: bytes, *, clients: int, warmup_s: float, measure_s: float,
@@ -152,7 +155,7 @@ def closed_loop(target: Target, payload: bytes, *, clients: int, warmup_s: float
     go, start, results = ctx.Event(), ctx.Value("d", 0.0), ctx.Queue()
     procs = [ctx.Process(target=_client, args=(target, payload, go, start, warmup_s, measure_s, results),
                          name=f"peers-client-{i}", daemon=True) for i in range(clients)]
-    records: list[tuple[float, float, str | None]] = []
+    records: list[list[tuple[float, float, str | None]]] = []
     try:
         for p in procs:
             p.start()
@@ -168,7 +171,7 @@ def closed_loop(target: Target, payload: bytes, *, clients: int, warmup_s: float
                 _, part = results.get(timeout=max(1.0, deadline - time.monotonic()))
             except queue.Empty:
                 raise RuntimeError("a load client did not report back in time") from None
-            records.extend(part)
+            records.append(part)
         for p in procs:
             p.join(timeout=10)
     finally:
@@ -178,17 +181,22 @@ def closed_loop(target: Target, payload: bytes, *, clients: int, warmup_s: float
                 p.join(timeout=5)
     window_start = start.value + warmup_s
     window_end = window_start + measure_s
-    result = LoadResult(clients=clients, warmup_s=warmup_s, measure_s=measure_s, requests_total=len(records))
+    result = LoadResult(clients=clients, warmup_s=warmup_s, measure_s=measure_s,
+                        requests_total=sum(len(part) for part in records))
     errors: Counter[str] = Counter()
-    for sent, received, error in records:
-        if sent >= window_start and sent < window_end:
-            if error is None:
-                result.latencies_ms.append((received - sent) * 1000.0)
-            else:
-                result.errors += 1
-                errors[error] += 1
-        if error is None and window_start <= received <= window_end:
-            result.completed += 1
+    for part in records:
+        sent_in_window = 0
+        for sent, received, error in part:
+            if window_start <= sent < window_end:
+                sent_in_window += 1
+                if error is None:
+                    result.latencies_ms.append((received - sent) * 1000.0)
+                else:
+                    result.errors += 1
+                    errors[error] += 1
+            if error is None and window_start <= received <= window_end:
+                result.completed += 1
+        result.per_client.append(sent_in_window)
     result.error_samples = dict(errors.most_common(5))
     return result
 
