@@ -22,7 +22,7 @@ class ProfilingError(RuntimeError):
 #: ``profile run --quick``: the schedule of a fast profile (options given on the
 #: command line still win). One warm-up after the contract check (which already
 #: ran the batch once), three timed rounds at least, 5% at 95%, and 5 s per
-#: point: resnet50 at T=2, B <= 32 takes about a minute and a half on 2 cores.
+#: point: resnet50 at T=2, B <= 32 took 64 s on the idle 2-core machine (docs/decisions.md).
 QUICK_SCHEDULE: dict[str, Any] = {"warmup": 1, "min_iters": 3, "max_iters": 20, "rel_ci": 0.05, "budget_s": 5.0}
 
 
