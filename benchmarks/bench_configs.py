@@ -142,6 +142,22 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The rows as the Markdown table of docs/figures.md."""
+    def p50(m: dict[str, Any]) -> str:
+        return f"{m['measured_p50_ms']:.1f} ({m['measured_p10_ms']:.1f}–{m['measured_p90_ms']:.1f})"
+
+    lines = ["| model | B | chosen | predicted ms | chosen p50 (p10–p90) | prediction error | all-thread p50 (p10–p90) "
+             "| T one-thread p50 | all-thread / chosen |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c, a, s = r["chosen"], r["all-thread"], r["single-thread"]
+        err = f"{r['prediction_error']:+.1%}" if r.get("prediction_error") is not None else "-"
+        lines.append(f"| {r['model']} | {r['batch']} | `{c['configuration']}` | {c['predicted_ms'] or float('nan'):.1f} "
+                     f"| {p50(c)} | {err} | {p50(a)} | {s['measured_p50_ms']:.1f} (`{s['configuration']}`) "
+                     f"| {r['speedup_vs_all_thread']:.2f}× |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="resnet50,bert,gpt2,minilm")
@@ -150,7 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json-out", default=str(RESULTS / "configs.json"))
+    ap.add_argument("--report", type=Path, default=None,
+                    help="print the Markdown table of a finished run's JSON and exit (measures nothing)")
     args = ap.parse_args(argv)
+    if args.report:
+        print(markdown(json.loads(args.report.read_text())["rows"]))
+        return 0
     threads = args.threads or Topology.detect().max_cores_per_socket
     batches = [int(x) for x in args.batches.split(",")]
     rows: list[dict[str, Any]] = []
