@@ -14,13 +14,19 @@ both and never neither; after a crash the dispatcher re-reads its own
 pending entries first, so nothing it read is lost. The backlog is the
 stream's length minus its pending entries (:func:`packrat_mq.streams.backlog`).
 
-Flow control: a batch is read only when every instance has room (at most
-``max_waiting`` sub-batches queued behind the one it is running), so the
-backlog stays in the request stream, whose length is what the estimator
-reads, instead of piling up in instance queues. Only live instances count:
-one whose record says it is restarting, stopped or whose heartbeat is stale
-(see ``packrat_mq.records``) is sent nothing and does not hold the others
-up, and the batch shrinks to the live instances' shares until it is back.
+Flow control: a batch is read only for instances that can take it. When
+some instances are idle (nothing queued), the batch is the sum of their
+shares and goes to them alone, at once: in a closed loop the instance that
+finishes first gets its clients' next requests without waiting for the
+other instances' clients (with every instance waited for, a 1x4,1x4
+deployment under eight clients hit the batch timeout on every batch). When
+none is idle, the instances with room (at most ``max_waiting`` sub-batches
+queued behind the one they run) are fed, so each has its next sub-batch
+ready. The backlog stays in the request stream, whose length is what the
+estimator reads, instead of piling up in instance queues. Only live
+instances count: one whose record says it is restarting, stopped or whose
+heartbeat is stale (see ``packrat_mq.records``) is sent nothing and holds
+nobody up.
 
 Backpressure: past ``max_backlog`` entries in the request stream, the newest
 requests that no dispatcher has read yet get an immediate "overloaded" error
@@ -172,9 +178,13 @@ class Dispatcher:
     def _ready(self) -> tuple[Deployment | None, bool]:
         """(the deployment to serve the next batch with, whether the deployment just changed).
 
-        The deployment comes back only when every live instance can take a
-        sub-batch now, restricted to its live instances when some are gone.
-        Sheds load when the backlog is over its bound.
+        The deployment comes back restricted to the instances that should
+        take the next batch: the idle ones (nothing queued) when any is idle,
+        else those with room (at most ``max_waiting`` sub-batches queued);
+        gone or restarting instances never. So an instance that finishes
+        first is fed its own share at once instead of waiting, with its
+        share's requests, for the others to finish too. Sheds load when the
+        backlog is over its bound.
         """
         pipe = self.r.pipeline(transaction=False)
         pipe.get(self.keys.config(self.model))
@@ -195,20 +205,23 @@ class Dispatcher:
         if current is None:
             return None, False
         now = time.time()
-        live: list[InstanceRecord] = []
-        full = False
+        idle: list[InstanceRecord] = []
+        room: list[InstanceRecord] = []
         for inst, length, liveness in zip(instances, rest[0::2], rest[1::2]):
             state = InstanceState.liveness(liveness, now)
             if state is not None and state != "ready":
-                continue  # gone or restarting: its queue counts as full, the others go on
+                continue  # gone or restarting: sent nothing, the others go on
             # No record at all: nothing says it is gone; flow control still bounds its queue.
-            live.append(inst)
-            full = full or length > self.max_waiting
-        if not live or full:
+            if length == 0:
+                idle.append(inst)
+            if length <= self.max_waiting:
+                room.append(inst)
+        serve = idle or room
+        if not serve:
             return None, False
-        if len(live) < len(instances):
-            # Serve with the live instances only, and only as many requests as they take.
-            return current.model_copy(update={"instances": live}), False
+        if len(serve) < len(instances):
+            # Only as many requests as these instances' shares take.
+            return current.model_copy(update={"instances": serve}), False
         return current, False
 
     # --- the loop -------------------------------------------------------

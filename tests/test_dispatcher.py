@@ -289,25 +289,60 @@ def test_batches_larger_than_b_are_split_over_rounds(r: redis.Redis, settings: S
 
 
 # --- flow control ------------------------------------------------------------
-def test_no_read_while_an_instance_queue_is_full(r: redis.Redis, settings: Settings) -> None:
+def test_no_read_while_every_instance_queue_is_full(r: redis.Redis, settings: Settings) -> None:
+    dep = deploy(r, settings, [(2, 2), (2, 2)])
+    d = make_dispatcher(r, settings, max_waiting=1)
+    for inst in dep.instances:
+        queue = settings.keys.queue(MODEL, inst.id)
+        r.xadd(queue, {"batch": "running", "meta": "[]"})
+        r.xadd(queue, {"batch": "waiting", "meta": "[]"})
+    send(r, settings, 4)
+    assert d.run_once() == 0
+    stream = settings.keys.requests(MODEL)
+    assert r.xlen(stream) == 4
+    assert pending(r, settings) == 0, "the backlog must stay unread in the request stream"
+
+    # A worker finishes one sub-batch and pushes a wake-up token: room again, for that instance.
+    busy = settings.keys.queue(MODEL, dep.instances[1].id)
+    r.xtrim(busy, maxlen=1, approximate=False)
+    r.lpush(settings.keys.wakeup(MODEL), dep.instances[1].id)
+    assert d.run_once() == 2, "its own share, queued behind the batch it runs"
+    assert r.xlen(busy) == 2 and backlog(r, settings) == 2
+
+
+def test_a_full_instance_holds_nobody_up(r: redis.Redis, settings: Settings) -> None:
     dep = deploy(r, settings, [(2, 2), (2, 2)])
     d = make_dispatcher(r, settings, max_waiting=1)
     busy = settings.keys.queue(MODEL, dep.instances[1].id)
     r.xadd(busy, {"batch": "running", "meta": "[]"})
     r.xadd(busy, {"batch": "waiting", "meta": "[]"})
     send(r, settings, 4)
-    assert d.run_once() == 0
-    stream = settings.keys.requests(MODEL)
-    assert r.xlen(stream) == 4
-    assert pending(r, settings) == 0, "the backlog must stay unread in the request stream"
-    assert r.xlen(settings.keys.queue(MODEL, dep.instances[0].id)) == 0
+    assert d.run_once() == 2, "the free instance takes its share"
+    q = queued(r, settings, dep)
+    assert [req.id for sub in q[dep.instances[0].id] for req in sub] == ["req-0", "req-1"]
+    assert r.xlen(busy) == 2 and backlog(r, settings) == 2
 
-    # A worker finishes one sub-batch and pushes a wake-up token: room again.
-    r.xtrim(busy, maxlen=1, approximate=False)
-    r.lpush(settings.keys.wakeup(MODEL), dep.instances[1].id)
+
+def test_an_idle_instance_is_fed_its_share_at_once(r: redis.Redis, settings: Settings) -> None:
+    """The instance that finished first does not wait, with its share, for one still running."""
+    dep = deploy(r, settings, [(1, 4), (1, 4)])
+    # A long batch timeout: waiting for the other instance's share would show.
+    d = make_dispatcher(r, settings.model_copy(update={"batch_timeout_ms": 5000.0}), max_waiting=1)
+    running = settings.keys.queue(MODEL, dep.instances[1].id)
+    r.xadd(running, {"batch": "running", "meta": "[]"})  # room for one more, but not idle
+    send(r, settings, 4)  # the idle instance's clients, back with their next requests
+    t0 = time.monotonic()
     assert d.run_once() == 4
-    assert backlog(r, settings) == 0
-    assert r.xlen(busy) == 2
+    assert (time.monotonic() - t0) * 1000 < 1000, "no wait for requests that only the other instance's share needs"
+    q = queued(r, settings, dep)
+    assert len(q[dep.instances[0].id]) == 1 and len(q[dep.instances[0].id][0]) == 4
+    assert r.xlen(running) == 1
+
+    # Now none is idle: both have room, and the next batch is the whole B, split.
+    send(r, settings, 8, start=4)
+    assert d.run_once() == 8
+    q = queued(r, settings, dep)
+    assert [len(q[i.id]) for i in dep.instances] == [2, 1 + 1]
 
 
 def test_blocked_dispatcher_wakes_on_token(r: redis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
