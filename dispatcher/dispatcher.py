@@ -7,8 +7,8 @@ in one MULTI/EXEC with an XCLAIM that hands the requests' pending entries to
 the instance (consumer ``instance:<id>``, see
 :func:`packrat_mq.keys.request_owner`). The payloads stay in the request
 stream until the instance answers: it fetches them by id, and acknowledges
-and deletes them with its replies. The dispatcher reads requests without
-their payloads (:mod:`dispatcher.reading`). So a request is pending here (read, not
+and deletes them with its replies. While payloads are large, the dispatcher
+reads requests without them (:mod:`dispatcher.reading`). So a request is pending here (read, not
 handed out), or owned by exactly one instance whose queue names it, never
 both and never neither; after a crash the dispatcher re-reads its own
 pending entries first, so nothing it read is lost. The backlog is the
@@ -50,7 +50,7 @@ import redis
 from dispatcher.aggregation import Aggregator
 from dispatcher.orphans import sweep
 from dispatcher.partitioning import LatencyFn, split
-from dispatcher.reading import Entry, read_fields
+from dispatcher.reading import Entry, RequestReader
 from packrat_mq import protocol, replies, streams
 from packrat_mq.backoff import Backoff
 from packrat_mq.connection import connect
@@ -62,8 +62,6 @@ from packrat_mq.settings import Settings
 from packrat_mq.streams import ensure_group
 
 log = logging.getLogger("packrat_mq.dispatcher")
-
-PAYLOAD_BYTES_FIELD = protocol.PAYLOAD_BYTES.encode()
 
 
 class Dispatcher:
@@ -102,6 +100,7 @@ class Dispatcher:
         self._last_beat = 0.0
         self._state = "starting"
         self.backoff = Backoff()
+        self.reader = RequestReader(r, self.stream, DISPATCHER_GROUP, self.consumer)
         self.aggregator: Aggregator[Entry] = Aggregator(self._read)
 
     # --- setup ----------------------------------------------------------
@@ -136,30 +135,24 @@ class Dispatcher:
 
     # --- reading --------------------------------------------------------
     def _read(self, count: int, block_ms: int | None) -> list[Entry]:
-        """Up to ``count`` requests, without their payloads (see :mod:`dispatcher.reading`).
+        """Up to ``count`` requests, without their payloads while those are large (:mod:`dispatcher.reading`).
 
-        Waits up to ``block_ms`` for the first one when none is there; that
-        one is read with its payload, since a script cannot block.
+        Waits up to ``block_ms`` for the first one when none is there.
         """
         if self._recovering:
             # Entries this consumer read before a restart and never fanned out.
             # They stay pending until their batch is dispatched, so the next
             # read of the same batch starts after the last one handed out;
             # from "0" it would return them again (duplicates in the batch).
-            entries = read_fields(self.r, self.stream, DISPATCHER_GROUP, self.consumer, count, self._recover_from)
+            entries = self.reader.read(count, self._recover_from)
             if entries:
                 self._recover_from = entries[-1][0]
                 return entries
             self._recovering = False
-        entries = read_fields(self.r, self.stream, DISPATCHER_GROUP, self.consumer, count)
+        entries = self.reader.read(count)
         if entries or not block_ms:
             return entries
-        resp = self.r.xreadgroup(DISPATCHER_GROUP, self.consumer, {self.stream: ">"}, count=1, block=block_ms)
-        entries = resp[0][1] if resp else []
-        for _, fields in entries:
-            if fields:
-                fields.pop(PAYLOAD_BYTES_FIELD, None)  # only the script may say a payload's size
-        return entries
+        return self.reader.wait(block_ms)
 
     def refresh_deployment(self, raw: bytes | None) -> Deployment | None:
         if raw != self._raw_config:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import redis
 
-from dispatcher.reading import read_fields
+from dispatcher.reading import LARGE_PAYLOAD_BYTES, RequestReader, payload_size, read_fields
 from packrat_mq.protocol import PAYLOAD_BYTES
 from packrat_mq.streams import ensure_group
 
@@ -45,4 +45,25 @@ def test_a_producer_cannot_forge_the_size_field(r: redis.Redis, prefix: str) -> 
     ensure_group(r, stream, "g")
     r.xadd(stream, {"id": "forged", PAYLOAD_BYTES: "1"})  # no payload at all
     [(_, fields)] = read_fields(r, stream, "g", "c", 1)
-    assert fields == {b"id": b"forged"}, "no payload field: the dispatcher rejects it as missing"
+    assert fields == {b"id": b"forged", SIZE + b":from-producer": b"1"}, (
+        "no payload field: the dispatcher rejects it as missing")
+
+
+def test_the_reader_leaves_payloads_in_redis_only_while_they_are_large(r: redis.Redis, prefix: str) -> None:
+    stream = f"{prefix}:s"
+    ensure_group(r, stream, "g")
+    reader = RequestReader(r, stream, "g", "c")
+    r.xadd(stream, {"id": "small", "payload": b"{}"})
+    [(_, fields)] = reader.read(10)
+    assert fields[b"payload"] == b"{}", "small payloads: plain XREADGROUP is cheaper than the script"
+    big = b"x" * (4 * LARGE_PAYLOAD_BYTES)
+    for i in range(3):
+        r.xadd(stream, {"id": f"big{i}", "payload": big})
+    [(_, first)] = reader.read(1)
+    assert first[b"payload"] == big  # what it had seen so far was small
+    assert reader.without_payloads
+    rest = reader.read(10)
+    assert [f for _, f in rest] == [{b"id": f"big{i}".encode(), SIZE: str(len(big)).encode()} for i in (1, 2)]
+    assert payload_size(first) == payload_size(rest[0][1]) == len(big)
+    forged = r.xadd(stream, {"id": "forged", PAYLOAD_BYTES: "1"})
+    assert reader.wait(100) == [(forged, {b"id": b"forged"})], "a blocking read drops a forged size field"

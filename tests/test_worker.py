@@ -384,3 +384,25 @@ def test_first_delivery_always_runs(r: redis.Redis, settings: Settings, max_deli
     push(r, w, [request(0)])
     step(w)
     assert counting.calls == 1
+
+
+def test_payloads_of_a_run_cut_by_other_entries_are_all_fetched(r: redis.Redis, settings: Settings) -> None:
+    """One XRANGE over the run normally; by id for whatever it did not return."""
+    w = make_worker(r, settings)
+    reqs = [request(0), request(1), request(2)]
+    push(r, w, reqs)
+    # Move the middle request past others (as if another instance's requests sat between).
+    stream = w.requests_stream
+    for i in range(5):
+        r.xadd(stream, {"id": f"other-{i}", "payload": b"{}"})
+    middle = r.xadd(stream, protocol.request_fields("req-1", REPLY, b'{"i": 1}', protocol.JSON)).decode()
+    r.xdel(stream, reqs[1].stream_id)
+    reqs[1].stream_id = middle
+    r.delete(w.queue)
+    ensure_group(r, w.queue, WORKER_GROUP)
+    r.xadd(w.queue, protocol.encode_subbatch([reqs[0], reqs[2], reqs[1]], "b2"))
+    assert step(w) == 1
+    got = {text(f, "id"): f for f in replies(r)}
+    assert all(text(f, "status") == protocol.OK for f in got.values()), got
+    assert [protocol.decode_payload(protocol.JSON, got[f"req-{i}"][b"payload"]) for i in range(3)] == [
+        {"i": 0}, {"i": 1}, {"i": 2}]
