@@ -112,8 +112,13 @@ def bench_model(url: str, model: str, threads: int, batches: list[int], rounds: 
         row["best_measured"] = best_name
         row["speedup_vs_all_thread"] = measured[(b, "all-thread")].p50_ms / measured[(b, "chosen")].p50_ms
         predicted = measured[(b, "chosen")].predicted_ms
-        # What the profile is worth: the chosen plan's predicted latency against the served one.
-        row["prediction_error"] = measured[(b, "chosen")].p50_ms / predicted - 1.0 if predicted else None
+        # What the profile is worth: the chosen plan's predicted latency against the served one,
+        # with the serving path the profile measured (`profile path`) when it has one.
+        serving = profile.service_latency_ms(predicted, b)
+        row["path_ms"] = profile.path_cost_ms(b)
+        row["predicted_serving_ms"] = serving
+        row["prediction_error_handler_only"] = measured[(b, "chosen")].p50_ms / predicted - 1.0 if predicted else None
+        row["prediction_error"] = measured[(b, "chosen")].p50_ms / serving - 1.0 if serving else None
         rows.append(row)
     return rows
 
@@ -147,12 +152,14 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     def p50(m: dict[str, Any]) -> str:
         return f"{m['measured_p50_ms']:.1f} ({m['measured_p10_ms']:.1f}–{m['measured_p90_ms']:.1f})"
 
-    lines = ["| model | B | chosen | predicted ms | chosen p50 (p10–p90) | prediction error | all-thread p50 (p10–p90) "
-             "| T one-thread p50 | all-thread / chosen |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | B | chosen | predicted ms (slowest instance + path) | chosen p50 (p10–p90) | prediction error "
+             "| all-thread p50 (p10–p90) | T one-thread p50 | all-thread / chosen |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c, a, s = r["chosen"], r["all-thread"], r["single-thread"]
         err = f"{r['prediction_error']:+.1%}" if r.get("prediction_error") is not None else "-"
-        lines.append(f"| {r['model']} | {r['batch']} | `{c['configuration']}` | {c['predicted_ms'] or float('nan'):.1f} "
+        path = f" + {r['path_ms']:.1f}" if r.get("path_ms") is not None else ""
+        lines.append(f"| {r['model']} | {r['batch']} | `{c['configuration']}` | {c['predicted_ms'] or float('nan'):.1f}{path} "
                      f"| {p50(c)} | {err} | {p50(a)} | {s['measured_p50_ms']:.1f} (`{s['configuration']}`) "
                      f"| {r['speedup_vs_all_thread']:.2f}× |")
     return "\n".join(lines)

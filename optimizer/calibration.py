@@ -176,3 +176,58 @@ def calibrate(
     profile.calibrations = kept
     best = min(measured, key=lambda m: m.p50_ms)
     return best.configuration.model_copy(update={"predicted_latency_ms": best.predicted_ms}), results
+
+
+#: The no-op handler the serving path is measured with: it accepts any payload and sleeps 0 ms.
+PATH_HANDLER = "sleep"
+
+
+def measure_path(
+    url: str,
+    settings: Settings,
+    model: str,
+    batches: list[int],
+    *,
+    rounds: int = 15,
+    warmup: int = 3,
+    progress: Callable[[str], None] | None = None,
+) -> dict[int, float]:
+    """What the service adds to a batch of each size of ``model``'s example requests, in ms.
+
+    The profile times ``handler.handle`` alone; a caller also waits for the
+    requests' XADDs, the dispatcher, the worker's payload fetch and decode,
+    the replies and their reads. That is measured here by serving the model's
+    own example payloads (their size and content type are what costs) to
+    one instance of a handler that does nothing (``PATH_HANDLER``): the
+    median batch latency, as :func:`time_batches` measures it, less the
+    handler's reported time. For MiniLM's 8-57 ms batches this is 3-10 ms,
+    the gap between its profile and what it served (docs/figures.md).
+    """
+    settings = settings.model_copy(update={"batch_timeout_ms": 50.0})
+    r = connect(url)
+    out: dict[int, float] = {}
+    largest = max(batches)
+    with Supervisor(r, settings, url, model, Configuration.uniform(1, 1, largest), handler=PATH_HANDLER,
+                    options={"base_ms": 0}) as service:
+        client = Client(connect(url), prefix=settings.prefix)
+        try:
+            for b in sorted(batches):
+                service.reshare(Configuration.uniform(1, 1, b))
+                payloads = example_payloads(model, b)
+                content_type = payloads[0][1]
+                costs = []
+                for k in range(warmup + rounds):
+                    latency_ms, replies = client.time_batch(model, [p for p, _ in payloads],
+                                                            content_type=content_type, timeout=120)
+                    failed = [rep.error for rep in replies if not rep.ok]
+                    if failed:
+                        raise RuntimeError(f"measuring the serving path of {model} at batch {b}: "
+                                           f"{len(failed)} requests failed: {failed[0]}")
+                    if k >= warmup:
+                        costs.append(latency_ms - max(rep.inference_ms for rep in replies))
+                out[b] = float(np.median(costs))
+                if progress:
+                    progress(f"batch {b}: serving path {out[b]:.2f} ms")
+        finally:
+            client.close()
+    return out

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from optimizer.calibration import calibrate
+from optimizer.calibration import calibrate, measure_path
 from optimizer.planning.profile import Profile, ProfileEntry
 from optimizer.planning.selection import best_calibrated, candidates, predicted_latency
 from packrat_mq.cli import main
@@ -68,3 +68,35 @@ def test_calibrate_refuses_infeasible() -> None:
     with pytest.raises(ValueError, match="batch 3"):
         calibrate(_profile().model_copy(update={"entries": (ProfileEntry(threads=1, batch=2, mean_ms=1.0),)}),
                   "redis://unused", Settings(), 2, 3)
+
+
+# --- the serving path ----------------------------------------------------------
+def test_path_cost_is_interpolated_and_added_to_predictions(tmp_path: Path) -> None:
+    prof = _profile()
+    assert prof.path_cost_ms(4) is None and prof.service_latency_ms(26.0, 4) == 26.0
+    prof.path_ms = {1: 1.0, 2: 1.5, 8: 4.5}
+    assert prof.path_cost_ms(1) == 1.0 and prof.path_cost_ms(4) == 2.5  # between 2 and 8
+    assert prof.path_cost_ms(16) == 8.5  # beyond the largest: along the last two
+    assert prof.service_latency_ms(26.0, 4) == 28.5 and prof.service_latency_ms(None, 4) is None
+    loaded = Profile.load(prof.save(tmp_path / "sleep.json"))
+    assert loaded.path_ms == {1: 1.0, 2: 1.5, 8: 4.5}, "batch sizes come back as integers"
+
+
+def test_measure_path_serves_the_models_own_payloads_with_a_no_op_handler(redis_url: str, settings: Settings) -> None:
+    costs = measure_path(redis_url, settings, "minilm", [1, 4], rounds=3, warmup=1)
+    assert sorted(costs) == [1, 4]
+    # Round trips through Redis, the dispatcher and a worker: positive, and far below
+    # MiniLM's own 8 ms per batch (no model ran).
+    assert all(0.0 < ms < 200.0 for ms in costs.values()), costs
+
+
+def test_profile_path_cli_stores_the_cost_in_the_profile(tmp_path: Path) -> None:
+    path = _profile().save(tmp_path / "sleep.json")
+    res = CliRunner().invoke(main, ["profile", "path", "--model", "sleep", "--profile", str(path),
+                                    "--max-batch", "2", "--rounds", "2", "--json"])
+    assert res.exit_code == 0, res.output
+    stored = Profile.load(path).path_ms
+    assert sorted(stored) == [1, 2] and json.loads(res.stdout.strip().splitlines()[-1]) == {
+        str(b): ms for b, ms in stored.items()}
+    shown = CliRunner().invoke(main, ["profile", "show", str(path)])
+    assert "serving path (ms per batch" in shown.output

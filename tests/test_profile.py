@@ -14,6 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from optimizer.planning.profile import (
+    FORMAT_VERSION,
     Calibration,
     MachineInfo,
     Profile,
@@ -334,13 +335,13 @@ def test_placement_and_copies_round_trip_and_format_1_reads_as_isolated(tmp_path
     prof.upsert(ProfileEntry(threads=1, batch=1, mean_ms=2.5, copies=4))
     loaded = Profile.load(prof.save(tmp_path / "toy.json"))
     assert loaded.placement == "co-located" and loaded.entry(1, 1).copies == 4
-    assert json.loads((tmp_path / "toy.json").read_text())["format_version"] == 2
+    assert json.loads((tmp_path / "toy.json").read_text())["format_version"] == FORMAT_VERSION
     old = tmp_path / "old.json"
     old.write_text(json.dumps({"format_version": 1, "model": "m",
                                "entries": [{"threads": 1, "batch": 1, "mean_ms": 3.0}]}))
     loaded = Profile.load(old)
     assert loaded.placement == "isolated" and loaded.entry(1, 1).copies is None
-    assert json.loads(loaded.save(old).read_text())["format_version"] == 2  # saved again in today's format
+    assert json.loads(loaded.save(old).read_text())["format_version"] == FORMAT_VERSION  # saved again in today's format
     with pytest.raises(ProfileError, match="cannot merge"):
         make_profile(placement="co-located").merge(make_profile())
     old.write_text(json.dumps({"model": "m", "placement": "nearby"}))

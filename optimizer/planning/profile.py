@@ -50,7 +50,8 @@ from packrat_mq.topology import DEFAULT_SYSFS_CPU, Topology, parse_cpulist
 
 #: Bumped when a change to the JSON layout would make older code misread a file.
 #: 2: ``placement`` and each entry's ``copies`` (a version 1 file reads as isolated).
-FORMAT_VERSION = 2
+#: 3: ``path_ms``, the serving path's cost per batch size (older files have none).
+FORMAT_VERSION = 3
 
 #: What surrounded each instance while it was timed (see the module docstring).
 Placement = Literal["co-located", "isolated"]
@@ -315,6 +316,10 @@ class Profile(BaseModel):
     machine: MachineInfo | None = None
     entries: tuple[ProfileEntry, ...] = ()
     calibrations: list[Calibration] = Field(default_factory=list)
+    #: What the service adds to a batch of b of this model's example requests, in ms: the batch's
+    #: latency through Redis, the dispatcher and a worker running a no-op handler (``packrat-mq
+    #: profile path``). Added to a plan's predicted latency by :meth:`service_latency_ms`.
+    path_ms: dict[int, float] = Field(default_factory=dict)
 
     _table: tuple[tuple[ProfileEntry, ...], LatencyTable, bytes] | None = PrivateAttr(default=None)
 
@@ -499,6 +504,34 @@ class Profile(BaseModel):
             arr.setflags(write=False)
         self._table = (entries, table, table_fingerprint(table))
         return self._table
+
+    def path_cost_ms(self, batch: int) -> float | None:
+        """The serving path's cost for a batch of ``batch``, None when it was not measured.
+
+        Linear between measured batch sizes, and beyond them along the
+        nearest two (one measured size: that value).
+        """
+        if not self.path_ms:
+            return None
+        sizes = sorted(self.path_ms)
+        values = [self.path_ms[b] for b in sizes]
+        if len(sizes) == 1:
+            return values[0]
+        if batch <= sizes[0]:
+            lo, hi = 0, 1
+        elif batch >= sizes[-1]:
+            lo, hi = len(sizes) - 2, len(sizes) - 1
+        else:
+            hi = next(k for k, b in enumerate(sizes) if b >= batch)
+            lo = hi - 1
+        slope = (values[hi] - values[lo]) / (sizes[hi] - sizes[lo])
+        return max(0.0, values[lo] + slope * (batch - sizes[lo]))
+
+    def service_latency_ms(self, predicted_ms: float | None, batch: int) -> float | None:
+        """A plan's predicted latency as a caller sees it: the slowest instance plus the serving path."""
+        if predicted_ms is None:
+            return None
+        return predicted_ms + (self.path_cost_ms(batch) or 0.0)
 
     def entry(self, threads: int, batch: int) -> ProfileEntry | None:
         """The measurement at (threads, batch), or None; the profiler uses it to resume."""

@@ -93,9 +93,12 @@ def choose(model: str, threads: int, batch: int, profile: str | Path | None = No
                       f"calibrated best for T={threads}, B={batch} from {path}: {config} "
                       f"(measured p50 {row.measured_p50_ms:.2f} ms)", warning)
     config = solve(loaded, threads, batch)
+    path_ms = loaded.path_cost_ms(batch)
+    serving = (f" + {path_ms:.2f} ms serving path = {config.predicted_latency_ms + path_ms:.2f} ms"
+               if path_ms is not None and config.predicted_latency_ms is not None else "")
     return Choice(config, "optimizer", path,
                   f"optimizer on {path} for T={threads}, B={batch}: {config} "
-                  f"(predicted {config.predicted_latency_ms:.2f} ms per batch, "
+                  f"(predicted {config.predicted_latency_ms:.2f} ms per batch{serving}, "
                   f"{loaded.placement} profile)", warning)
 
 

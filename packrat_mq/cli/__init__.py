@@ -70,3 +70,5 @@ for _module, _attr in _COMMANDS:
 
 # `profile run` lives in its own module: it drives the profiler, the rest of `profile` only reads files.
 main.commands["profile"].add_command(importlib.import_module("packrat_mq.cli.profile_run").run)  # type: ignore[attr-defined]
+# So does `profile path`: it serves for real to measure the serving path.
+main.commands["profile"].add_command(importlib.import_module("packrat_mq.cli.profile_path").path)  # type: ignore[attr-defined]

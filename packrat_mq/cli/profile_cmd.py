@@ -167,6 +167,9 @@ def _describe(prof: Profile, path: Path, here: MachineInfo) -> str:
         f"placement: {placement}",
         f"machine: {machine}",
         f"{len(prof.entries)} measurements, {len(prof.calibrations)} calibrations",
+        ("serving path (ms per batch, `profile path`): "
+         + ", ".join(f"b={b} {ms:.2f}" for b, ms in sorted(prof.path_ms.items()))
+         if prof.path_ms else "serving path: not measured (`packrat-mq profile path --model M`)"),
         "mean latency (ms) per batch; rows: threads, columns: batch size",
     ]
     return "\n".join(lines)

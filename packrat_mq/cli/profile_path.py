@@ -1,0 +1,75 @@
+"""``packrat-mq profile path``: measure what the service adds to a model's batches.
+
+A profile times the handler alone; a caller also waits for Redis, the
+dispatcher and the worker's payload handling. This command measures that
+cost per batch size with the model's own example payloads and a no-op
+handler (:func:`optimizer.calibration.measure_path`) and stores it in the
+profile (``path_ms``), so predicted latencies are what a caller sees. It
+lives apart from ``profile show`` and ``import`` because it serves for real.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from optimizer.calibration import measure_path
+from optimizer.planning.profile import Profile, ProfileError, resolve_profile_path
+from optimizer.profiling.options import power_of_two_batches
+from packrat_mq.cli.helpers import redis_options
+from packrat_mq.connection import EmbeddedRedis
+from packrat_mq.settings import Settings
+
+
+@click.command("path")
+@click.option("--model", required=True, help="Zoo name or module:Class whose example requests are sent.")
+@click.option("--profile", "profile_ref", default=None,
+              help="Profile to store the result in [default: profiles/<model>.json].")
+@click.option("--max-batch", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Measure batches 1, 2, 4, ... up to this size.")
+@click.option("--rounds", type=click.IntRange(min=1), default=15, show_default=True,
+              help="Timed batches per size (after 3 warm-up batches); the median is kept.")
+@click.option("--json", "as_json", is_flag=True, help="Print {batch: ms} as JSON.")
+@redis_options
+def path(model: str, profile_ref: str | None, max_batch: int, rounds: int, as_json: bool,
+         settings: Settings) -> None:
+    """Measure the serving path's cost per batch size and store it in the model's profile.
+
+    Serves the model's own example requests (their size and type are what
+    costs) through Redis, the dispatcher and one worker whose handler does
+    nothing, and keeps the median batch latency per batch size. Predicted
+    latencies (``up``, ``optimize``) then include it.
+
+    \b
+    Examples:
+      packrat-mq profile path --model minilm
+      packrat-mq profile path --model resnet50 --profile profiles/resnet50.graph.json --max-batch 16
+    """
+    try:
+        file = resolve_profile_path(profile_ref or model)
+        prof = Profile.load(file)
+    except ProfileError as exc:
+        raise click.ClickException(str(exc)) from None
+    say = (lambda m: click.echo(m, err=True)) if as_json else click.echo
+    embedded = None
+    redis_url = settings.redis_url
+    if redis_url is None:  # no URL given: an embedded server of its own, stopped at the end
+        embedded = EmbeddedRedis(announce=False).start()
+        redis_url = embedded.url
+    # Its own prefix: a deployment of the same model on a shared Redis is not touched.
+    measuring = settings.model_copy(update={"redis_url": redis_url, "prefix": f"{settings.prefix}-path"})
+    try:
+        costs = measure_path(redis_url, measuring, model, power_of_two_batches(max_batch), rounds=rounds,
+                             progress=say)
+    except RuntimeError as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        if embedded is not None:
+            embedded.stop()
+    prof.path_ms = {**prof.path_ms, **costs}
+    prof.save(Path(file))
+    if as_json:
+        click.echo(json.dumps({str(b): ms for b, ms in sorted(prof.path_ms.items())}))
+    else:
+        click.echo(f"saved to {file}: " + ", ".join(f"b={b} {ms:.2f} ms" for b, ms in sorted(costs.items())))
