@@ -1,19 +1,28 @@
 """Options every command shares, and small helpers for output."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import re
 import socket
 import ssl
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
 import redis
 
-from packrat_mq.connection import NoRedisError, RedisURLError, connect, redact, resolve_url, scrub
+from packrat_mq.connection import (
+    EmbeddedRedis,
+    NoRedisError,
+    RedisURLError,
+    connect,
+    redact,
+    resolve_url,
+    scrub,
+)
 from packrat_mq.settings import Settings
 
 
@@ -190,3 +199,18 @@ def _detail(exc: BaseException, url: str | None) -> str:
 
 def is_tty() -> bool:
     return sys.stdout.isatty()
+
+
+@contextlib.contextmanager
+def url_or_private_redis(url: str | None) -> Iterator[str]:
+    """``url``, or else the URL of a private embedded server that lives for the block.
+
+    For commands that serve for real to measure (calibration, the serving
+    path) and need no server the user can see: it is not announced, and it
+    stops however the block ends.
+    """
+    if url is not None:
+        yield url
+        return
+    with EmbeddedRedis(announce=False) as server:
+        yield server.url

@@ -16,8 +16,8 @@ import click
 from optimizer.calibration import calibrate
 from optimizer.planning.profile import Profile, ProfileError
 from optimizer.planning.solving import InfeasibleError, solve
+from packrat_mq.cli.helpers import url_or_private_redis
 from packrat_mq.cli.profile_cmd import load_profile
-from packrat_mq.connection import EmbeddedRedis
 from packrat_mq.instances import Configuration
 from packrat_mq.settings import Settings
 
@@ -107,18 +107,12 @@ def run_calibration(prof: Profile, path: Path, threads: int, batch: int, top_k: 
                     redis_url: str | None, as_json: bool) -> Configuration:
     """Measure the top-k candidates side by side as served; report and record them; return the best."""
     say = (lambda m: click.echo(m, err=True)) if as_json else click.echo
-    embedded = None
-    if redis_url is None:
-        embedded = EmbeddedRedis(announce=False).start()
-        redis_url = embedded.url
     try:
-        best, results = calibrate(prof, redis_url, Settings(redis_url=redis_url, prefix="packrat-calibrate"),
-                                  threads, batch, k=top_k, rounds=rounds, progress=say)
+        with url_or_private_redis(redis_url) as url:
+            best, results = calibrate(prof, url, Settings(redis_url=url, prefix="packrat-calibrate"),
+                                      threads, batch, k=top_k, rounds=rounds, progress=say)
     except (InfeasibleError, RuntimeError) as exc:
         raise click.ClickException(f"calibration: {exc}") from None
-    finally:
-        if embedded is not None:
-            embedded.stop()
     say(f"{'configuration':<24} {'predicted ms':>12} {'measured p50':>12} {'p10..p90':>18}")
     for m in results:
         d = m.as_dict()

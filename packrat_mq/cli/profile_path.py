@@ -10,15 +10,12 @@ lives apart from ``profile show`` and ``import`` because it serves for real.
 from __future__ import annotations
 
 import json
-from pathlib import Path
-
 import click
 
 from optimizer.calibration import measure_path
 from optimizer.planning.profile import Profile, ProfileError, resolve_profile_path
 from optimizer.profiling.options import power_of_two_batches
-from packrat_mq.cli.helpers import redis_options
-from packrat_mq.connection import EmbeddedRedis
+from packrat_mq.cli.helpers import redis_options, url_or_private_redis
 from packrat_mq.settings import Settings
 
 
@@ -52,23 +49,16 @@ def path(model: str, profile_ref: str | None, max_batch: int, rounds: int, as_js
     except ProfileError as exc:
         raise click.ClickException(str(exc)) from None
     say = (lambda m: click.echo(m, err=True)) if as_json else click.echo
-    embedded = None
-    redis_url = settings.redis_url
-    if redis_url is None:  # no URL given: an embedded server of its own, stopped at the end
-        embedded = EmbeddedRedis(announce=False).start()
-        redis_url = embedded.url
-    # Its own prefix: a deployment of the same model on a shared Redis is not touched.
-    measuring = settings.model_copy(update={"redis_url": redis_url, "prefix": f"{settings.prefix}-path"})
     try:
-        costs = measure_path(redis_url, measuring, model, power_of_two_batches(max_batch), rounds=rounds,
-                             progress=say)
+        with url_or_private_redis(settings.redis_url) as url:
+            # Its own prefix: a deployment of the same model on a shared Redis is not touched.
+            measuring = settings.model_copy(update={"redis_url": url, "prefix": f"{settings.prefix}-path"})
+            costs = measure_path(url, measuring, model, power_of_two_batches(max_batch), rounds=rounds,
+                                 progress=say)
     except RuntimeError as exc:
         raise click.ClickException(str(exc)) from None
-    finally:
-        if embedded is not None:
-            embedded.stop()
     prof.path_ms = {**prof.path_ms, **costs}
-    prof.save(Path(file))
+    prof.save(file)
     if as_json:
         click.echo(json.dumps({str(b): ms for b, ms in sorted(prof.path_ms.items())}))
     else:
