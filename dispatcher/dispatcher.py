@@ -189,7 +189,7 @@ class Dispatcher:
             pipe.xlen(self.keys.queue(self.model, inst.id))
             pipe.hmget(self.keys.instance(self.model, inst.id), *InstanceState.LIVENESS_FIELDS)
         raw, length, pending, *rest = pipe.execute()
-        backlog = streams.backlog(length, pending)
+        backlog = streams.backlog(length, streams.pending_count(pending))
         if backlog > self.settings.max_backlog:
             self.shed(backlog - self.settings.max_backlog)
         current = self.refresh_deployment(raw)

@@ -28,7 +28,7 @@ from typing import Any
 
 import redis
 
-from packrat_mq.protocol import PAYLOAD_BYTES
+from packrat_mq.protocol import PAYLOAD_BYTES, payload_size
 
 #: Payloads this large on average are left in Redis when the dispatcher reads (see the module text).
 LARGE_PAYLOAD_BYTES = 16 * 1024
@@ -76,19 +76,6 @@ def read_fields(r: redis.Redis, stream: str, group: str, consumer: str, count: i
     return entries
 
 
-def payload_size(fields: dict[bytes, bytes] | None) -> int:
-    """The size of an entry's payload, whether it was read with it or without it."""
-    if not fields:
-        return 0
-    payload = fields.get(b"payload")
-    if payload is not None:
-        return len(payload)
-    try:
-        return int(fields.get(_SIZE, b"0"))
-    except ValueError:
-        return 0
-
-
 class RequestReader:
     """Reads one consumer's requests, through the script while payloads are large."""
 
@@ -127,6 +114,6 @@ class RequestReader:
         return entries
 
     def _observe(self, entries: list[Entry]) -> None:
-        sizes = [payload_size(fields) for _, fields in entries if fields]
+        sizes = [payload_size(fields) or 0 for _, fields in entries if fields]
         if sizes:
             self.mean_payload_bytes = 0.5 * self.mean_payload_bytes + 0.5 * (sum(sizes) / len(sizes))

@@ -114,6 +114,15 @@ def answerable_reply_to(fields: dict[bytes, bytes], prefix: str) -> str | None:
     return reply_to
 
 
+def payload_size(fields: dict[bytes, bytes]) -> int | None:
+    """The size of an entry's payload, read with it or without it (``PAYLOAD_BYTES``); None if it has none."""
+    payload = fields.get(b"payload")
+    if payload is not None:
+        return len(payload)
+    size = fields.get(PAYLOAD_BYTES.encode())
+    return int(size) if size is not None else None
+
+
 def parse_request(
     stream_id: bytes,
     fields: dict[bytes, bytes],
@@ -147,12 +156,8 @@ def parse_request(
     if len(request_id) > MAX_ID_LEN:
         raise RequestRejected(f"id longer than {MAX_ID_LEN} characters", request_id=request_id[:MAX_ID_LEN], reply_to=reply_to)
     payload = fields.get(b"payload")
-    size_field = fields.get(PAYLOAD_BYTES.encode())
-    if payload is not None:
-        size = len(payload)
-    elif size_field is not None:  # read without its payload (dispatcher.reading)
-        size = int(size_field)
-    else:
+    size = payload_size(fields)
+    if size is None:
         raise RequestRejected("missing payload field", request_id=request_id, reply_to=reply_to)
     if size > max_payload_bytes:
         raise RequestRejected(

@@ -33,17 +33,20 @@ def is_nogroup(exc: BaseException) -> bool:
     return message.startswith("NOGROUP") or "of pipeline caused error: NOGROUP" in message
 
 
-def backlog(length: int, pending: dict | int) -> int:
+def pending_count(summary: dict) -> int:
+    """The count of an ``XPENDING <stream> <group>`` summary."""
+    return int(summary.get("pending") or 0)
+
+
+def backlog(length: int, pending: int) -> int:
     """Requests waiting for a dispatcher: the stream's length less its pending entries.
 
-    ``pending`` is an ``XPENDING <stream> dispatchers`` summary (or its
-    count). Requests handed to an instance stay in the request stream, pending
-    under that instance's consumer, until they are answered (their payloads
-    are fetched from there), and those the dispatcher has read into a batch
-    are pending under its own; neither waits for a dispatcher any more.
+    Requests handed to an instance stay in the request stream, pending under
+    that instance's consumer, until they are answered (their payloads are
+    fetched from there), and those the dispatcher has read into a batch are
+    pending under its own; neither waits for a dispatcher any more.
     """
-    count = pending if isinstance(pending, int) else int(pending.get("pending") or 0)
-    return max(0, int(length) - count)
+    return max(0, int(length) - pending)
 
 
 def read_backlog(r: redis.Redis, stream: str, group: str) -> tuple[int, int]:
@@ -53,7 +56,7 @@ def read_backlog(r: redis.Redis, stream: str, group: str) -> tuple[int, int]:
     """
     length = r.xlen(stream)
     try:
-        pending = int(r.xpending(stream, group).get("pending") or 0)
+        pending = pending_count(r.xpending(stream, group))
     except redis.ResponseError as exc:
         if not is_nogroup(exc):
             raise

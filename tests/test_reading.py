@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import redis
 
-from dispatcher.reading import LARGE_PAYLOAD_BYTES, RequestReader, payload_size, read_fields
-from packrat_mq.protocol import PAYLOAD_BYTES
+from dispatcher.reading import LARGE_PAYLOAD_BYTES, RequestReader, read_fields
+from packrat_mq.protocol import PAYLOAD_BYTES, payload_size
 from packrat_mq.streams import ensure_group
 
 SIZE = PAYLOAD_BYTES.encode()
