@@ -47,6 +47,7 @@ from typing import Any
 
 import redis
 
+from dispatcher.adaptive import Adaptive
 from dispatcher.aggregation import Aggregator
 from dispatcher.orphans import sweep
 from dispatcher.partitioning import LatencyFn, split
@@ -102,6 +103,8 @@ class Dispatcher:
         self.backoff = Backoff()
         self.reader = RequestReader(r, self.stream, DISPATCHER_GROUP, self.consumer)
         self.aggregator: Aggregator[Entry] = Aggregator(self._read)
+        #: The estimator: samples the backlog in a thread of its own while running (see :meth:`run`).
+        self.adaptive = Adaptive(r, settings, self.model)
 
     # --- setup ----------------------------------------------------------
     def setup(self) -> None:
@@ -121,9 +124,16 @@ class Dispatcher:
             self._state = state
         elif now - self._last_beat < self.settings.heartbeat_s:
             return
+        estimate = self.adaptive.snapshot()
+        deployment = self.deployment
         record = DispatcherState(state=self._state, pid=os.getpid(), host=socket.gethostname(),
                                  interval=self.settings.heartbeat_s, heartbeat=now,
-                                 max_backlog=self.settings.max_backlog)
+                                 max_backlog=self.settings.max_backlog,
+                                 generation=deployment.generation if deployment else None,
+                                 batch=deployment.batch if deployment else None,
+                                 adaptive=estimate.adaptive,
+                                 q_tilde=round(estimate.q_tilde, 3) if estimate.q_tilde is not None else None,
+                                 b_tilde=estimate.b_tilde, requested_batch=estimate.requested)
         pipe = self.r.pipeline(transaction=False)
         record.save(pipe, self.keys.dispatcher(self.model))
         pipe.sadd(self.keys.models(), self.model)
@@ -159,13 +169,12 @@ class Dispatcher:
             self._raw_config = raw
             self.deployment = Deployment.model_validate_json(raw) if raw else None
             if self.deployment:
-                log.info(
-                    "model %s: serving generation %d, %s (B=%d)",
-                    self.model,
-                    self.deployment.generation,
-                    self.deployment.configuration,
-                    self.deployment.batch,
-                )
+                d = self.deployment
+                log.info("model %s: serving generation %d, %s (B=%d%s)", self.model, d.generation,
+                         d.configuration, d.batch, ", adaptive" if d.adaptive else "")
+                self.adaptive.serving(d.batch, d.generation, d.adaptive, d.predicted_latency_ms)
+                # Say so at once: the supervisor waits for this to retire the old instances.
+                self.heartbeat(self._state)
         return self.deployment
 
     def _ready(self) -> tuple[Deployment | None, bool]:
@@ -233,11 +242,25 @@ class Dispatcher:
         )
         if entries:
             self.dispatch(entries, deployment)
+            oldest_ms = protocol.entry_ms(entries[0][0])
+            self.adaptive.record_batch(len(entries), len(entries) < deployment.batch,
+                                       max(0.0, time.time() * 1000.0 - oldest_ms))
         return len(entries)
 
     def run(self) -> None:
         self.setup()
         log.info("dispatcher for %s reading %s", self.model, self.stream)
+        self.adaptive.start()
+        try:
+            self._loop()
+        finally:
+            self.adaptive.stop()
+        try:
+            self.heartbeat("stopped")
+        except redis.RedisError as exc:
+            log.warning("could not record the stop: %s", exc)
+
+    def _loop(self) -> None:
         next_sweep = 0.0
         while not self._stopping:
             if self.parent_pid is not None and os.getppid() != self.parent_pid:
@@ -252,10 +275,6 @@ class Dispatcher:
                 self.backoff.success()
             except Exception as exc:  # noqa: BLE001 - one failed iteration never ends the dispatcher
                 self._recover(exc)
-        try:
-            self.heartbeat("stopped")
-        except redis.RedisError as exc:
-            log.warning("could not record the stop: %s", exc)
 
     def _recover(self, exc: Exception) -> None:
         """After a failed iteration: see :func:`packrat_mq.recovery.recover`; then re-read pending entries."""

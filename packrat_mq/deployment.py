@@ -34,6 +34,8 @@ class Deployment(BaseModel):
     graph_mode: bool = False
     created: float = Field(default_factory=time.time)
     predicted_latency_ms: float | None = None
+    #: Whether the dispatcher's estimator chooses B from the load (see ``dispatcher.estimation``).
+    adaptive: bool = False
     instances: list[InstanceRecord]
 
     @property

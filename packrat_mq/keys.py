@@ -29,6 +29,16 @@ DISPATCHER_GROUP = "dispatchers"
 WORKER_GROUP = "workers"
 
 
+def control_group(model: str, node: str) -> str:
+    """The consumer group one supervisor reads the control stream with.
+
+    One group per supervisor (model and node), so every supervisor sees every
+    control message (a broadcast); each acts on the messages about its own
+    model and acknowledges the rest.
+    """
+    return f"supervisor:{model}:{node}"
+
+
 def request_owner(instance_id: str) -> str:
     """The consumer (in ``DISPATCHER_GROUP``) owning the requests fanned out to one instance.
 
@@ -74,6 +84,14 @@ class Keys:
     def config(self, model: str) -> str:
         """JSON document: the configuration a model is served with now."""
         return self._key("config", model)
+
+    def control(self) -> str:
+        """Stream of control messages (reconfigure a model); see docs/protocol.md."""
+        return self._key("control")
+
+    def reconfigurations(self, model: str) -> str:
+        """List of a model's last reconfigurations (JSON, newest first, at most 10)."""
+        return self._key("reconfigurations", model)
 
     def instance(self, model: str, instance_id: str) -> str:
         """Hash describing one running instance (pid, cores, heartbeat)."""

@@ -171,6 +171,16 @@ class DispatcherState(LiveRecord):
     #: The bound on the request stream this dispatcher enforces.
     max_backlog: int | None = None
     batches: int = 0
+    #: The deployment generation it dispatches to, and its B: written as soon as it
+    #: switches (at a batch boundary), so a supervisor knows no sub-batch goes to
+    #: an older generation's instances any more.
+    generation: int | None = None
+    batch: int | None = None
+    #: The estimator (``dispatcher.estimation``): whether it chooses B, Q̃, B̃, and a B asked for.
+    adaptive: bool = False
+    q_tilde: float | None = None
+    b_tilde: int | None = None
+    requested_batch: int | None = None
 
 
 class SupervisorState(LiveRecord):
@@ -183,6 +193,11 @@ class SupervisorState(LiveRecord):
     #: Ids of the instances it runs.
     instances: list[str] = []
     with_dispatcher: bool = True
+    #: Whether the dispatcher's estimator chooses B for this deployment.
+    adaptive: bool = False
+    #: A reconfiguration in progress: its phase (warming, switching, draining, stopping) and target.
+    phase: str = ""
+    target: str = ""
 
 
 def _judge(state: str, heartbeat: float, interval: float, now: float) -> str:

@@ -53,6 +53,19 @@ class Settings(BaseSettings):
         description="Bound on a model's request stream; newer requests past it get an 'overloaded' error reply.",
     )
 
+    # --- the adaptive half: estimating B and reconfiguring (dispatcher.estimation) ---
+    estimator_alpha: float = Field(default=0.1, gt=0, le=1, description="EWMA weight of a new backlog sample.")
+    estimator_window: int = Field(default=10, ge=1, description="B̃ is the mode of this many recent estimates.")
+    estimator_sample_ms: float = Field(default=5.0, gt=0, description="How often the request stream's length is read.")
+    reconfigure_timeout_s: float = Field(
+        default=1.0, gt=0, description="The estimate must differ from B this long before a reconfiguration."
+    )
+    adaptive_min_batch: int = Field(default=1, ge=1, description="Smallest B the estimator asks for.")
+    adaptive_max_batch: int = Field(default=32, ge=1, description="Largest B the estimator asks for.")
+    trigger_period_s: float = Field(
+        default=1.0, gt=0, description="Window of the batch-timeout and queueing-delay triggers."
+    )
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _upper(cls, v: object) -> object:

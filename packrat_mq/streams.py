@@ -10,10 +10,14 @@ from __future__ import annotations
 import redis
 
 
-def ensure_group(r: redis.Redis, stream: str, group: str) -> bool:
-    """Create ``group`` on ``stream`` (and the stream) unless it exists; True if created."""
+def ensure_group(r: redis.Redis, stream: str, group: str, *, start: str = "0") -> bool:
+    """Create ``group`` on ``stream`` (and the stream) unless it exists; True if created.
+
+    ``start`` is where a new group begins: ``"0"`` (everything in the stream)
+    or ``"$"`` (only what is added from now on).
+    """
     try:
-        r.xgroup_create(stream, group, id="0", mkstream=True)
+        r.xgroup_create(stream, group, id=start, mkstream=True)
     except redis.ResponseError as exc:
         if "BUSYGROUP" not in str(exc):
             raise

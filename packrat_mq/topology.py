@@ -19,7 +19,7 @@ then, and :meth:`Topology.describe` says so.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -243,6 +243,12 @@ class Topology:
     def max_cores_per_socket(self) -> int:
         """The most threads one instance can get (instances stay on one socket)."""
         return max((len(s.cores) for s in self.sockets), default=0)
+
+    def without(self, cpus: Iterable[int]) -> Topology:
+        """This topology less the cores whose CPU is in ``cpus`` (cores other instances hold)."""
+        taken = set(cpus)
+        sockets = tuple(Socket(id=s.id, cores=tuple(c for c in s.cores if c.cpu not in taken)) for s in self.sockets)
+        return replace(self, sockets=sockets, allowed=frozenset(self.allowed - taken))
 
     def socket(self, socket_id: int) -> Socket:
         for s in self.sockets:

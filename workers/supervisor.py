@@ -5,6 +5,13 @@ runs elsewhere, the dispatcher), publishes the deployment, restarts whatever
 dies, and stops everything in the order that loses nothing. ``packrat-mq up``,
 ``packrat-mq pool``, the demo and calibration all run this one class, so there
 is one restart policy and one place that knows which process owns which core.
+
+It is also what reconfigures the model: it reads the control stream
+(:mod:`packrat_mq.control`: an operator's ``packrat-mq reconfigure``, or the
+dispatcher's estimator asking for another B), plans the new configuration
+with the optimizer and carries it out in phases (:mod:`workers.reconfiguration`),
+one step per :meth:`Supervisor.check`, so supervision (restarts) goes on
+during a reconfiguration and a request is never lost or answered twice.
 """
 from __future__ import annotations
 
@@ -13,7 +20,9 @@ import os
 import signal
 import socket
 import subprocess
+import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,16 +30,19 @@ from typing import Any
 import redis
 
 from dispatcher.spec import DispatcherSpec
+from optimizer.planning.selection import choose
+from packrat_mq import control, replies
 from packrat_mq.backoff import Backoff
 from packrat_mq.deployment import Deployment, InstanceRecord
 from packrat_mq.instances import Configuration
-from packrat_mq.keys import WORKER_GROUP, check_model_name
+from packrat_mq.keys import WORKER_GROUP, check_model_name, control_group
 from packrat_mq.records import DispatcherState, InstanceState, LiveRecord, SupervisorState
 from packrat_mq.settings import Settings
 from packrat_mq.streams import ensure_group
 from packrat_mq.topology import Topology
-from workers.allocation import CoreAssignment, allocate
+from workers.allocation import AllocationError, CoreAssignment, allocate
 from workers.launch import instance_env, spawn
+from workers.reconfiguration import HISTORY, Reconfiguration, plan_change
 from workers.worker import WorkerSpec
 
 log = logging.getLogger("packrat_mq.supervisor")
@@ -134,6 +146,10 @@ class Supervisor:
         generation: int = 1,
         with_dispatcher: bool = True,
         exit_with_parent: bool = False,
+        adaptive: bool = False,
+        threads_budget: int | None = None,
+        planner: Callable[[int], Configuration] | None = None,
+        ready_timeout_s: float = 600.0,
     ) -> None:
         self.r = r
         self.settings = settings
@@ -150,15 +166,31 @@ class Supervisor:
         self.with_dispatcher = with_dispatcher
         #: The parent to outlive by no more than a poll, when asked to.
         self.parent_pid = os.getppid() if exit_with_parent else None
-        self.assignments: list[CoreAssignment] = allocate(topology or Topology.detect(), configuration)
-        self.instances = [self._instance(a) for a in self.assignments]
+        self.topology = topology or Topology.detect()
+        self.assignments: list[CoreAssignment] = allocate(self.topology, configuration)
+        #: The instances the deployment names (the active ones).
+        self.instances = [self._instance(a, generation) for a in self.assignments]
+        #: Started by a reconfiguration, warming up, not yet served to.
+        self.passive: list[Instance] = []
+        #: Left out of the deployment by a reconfiguration: answering what they hold, then stopped.
+        self.retiring: list[Instance] = []
         self.dispatcher = self._dispatcher() if with_dispatcher else None
+        #: Whether the dispatcher's estimator chooses B (see ``dispatcher.estimation``).
+        self.adaptive = adaptive
+        #: T, the cores the optimizer may plan a new B with.
+        self.threads_budget = threads_budget or self.topology.max_cores_per_socket
+        self.planner = planner or self._plan
+        self.ready_timeout_s = ready_timeout_s
+        self.change: Reconfiguration | None = None
+        #: The control message to carry out after the current change (a newer one supersedes it).
+        self._next: control.ControlMessage | None = None
+        self.control_group = control_group(self.model, self.node)
         self.loop_errors = 0
         self._loop_backoff = Backoff(base=0.1, cap=5.0)
         self._started = time.time()
 
-    def _instance(self, a: CoreAssignment) -> Instance:
-        record = InstanceRecord(id=f"{self.node}-g{self.generation}-{a.instance}", threads=a.threads,
+    def _instance(self, a: CoreAssignment, generation: int) -> Instance:
+        record = InstanceRecord(id=f"{self.node}-g{generation}-{a.instance}", threads=a.threads,
                                 batch=a.batch, cpus=list(a.cpus), socket=a.socket, node=self.node)
         spec = WorkerSpec(url=self.url, settings=self.settings, model=self.model, handler=self.handler,
                           instance_id=record.id, threads=a.threads, batch=a.batch, cpus=list(a.cpus),
@@ -176,9 +208,14 @@ class Supervisor:
                      record_key=self.keys.dispatcher(self.model), record=DispatcherState)
 
     @property
+    def all_instances(self) -> list[Instance]:
+        """Active, passive and retiring instances: every worker process this supervisor owns."""
+        return self.instances + self.passive + self.retiring
+
+    @property
     def children(self) -> list[Child]:
         """Every supervised process, instances first."""
-        return [i.child for i in self.instances] + ([self.dispatcher] if self.dispatcher else [])
+        return [i.child for i in self.all_instances] + ([self.dispatcher] if self.dispatcher else [])
 
     @property
     def deployment(self) -> Deployment:
@@ -189,17 +226,17 @@ class Supervisor:
             node=self.node,
             graph_mode=self.settings.graph_mode,
             predicted_latency_ms=self.configuration.predicted_latency_ms,
+            adaptive=self.adaptive,
             instances=[i.record for i in self.instances],
         )
 
     # --- starting -----------------------------------------------------
     def start(self, ready_timeout: float = 600.0, publish: bool = True) -> None:
         """Start the instances, publish the deployment, then the dispatcher; return once all are ready."""
+        # Control messages sent from now on reach this supervisor (not those of before it started).
+        ensure_group(self.r, self.keys.control(), self.control_group, start="$")
         for inst in self.instances:
-            ensure_group(self.r, self.keys.queue(self.model, inst.record.id), WORKER_GROUP)
-            inst.child.start()
-            assert inst.child.process is not None
-            log.info("started %s (pid %d) on cpus %s", inst.child.name, inst.child.process.pid, inst.record.cpus)
+            self._start_instance(inst)
         if publish:
             self.publish()
         self.wait_ready([i.child for i in self.instances], ready_timeout)
@@ -207,6 +244,18 @@ class Supervisor:
             self.dispatcher.start()
             self.wait_ready([self.dispatcher], ready_timeout)
         self._beat()
+
+    def _start_instance(self, inst: Instance) -> None:
+        ensure_group(self.r, self.keys.queue(self.model, inst.record.id), WORKER_GROUP)
+        inst.child.start()
+        assert inst.child.process is not None
+        log.info("started %s (pid %d) on cpus %s", inst.child.name, inst.child.process.pid, inst.record.cpus)
+
+    def _is_ready(self, child: Child) -> bool:
+        """Whether the child's own record (with its own pid) says ``ready``."""
+        assert child.process is not None
+        record = child.record.load(self.r, child.record_key)
+        return record is not None and record.state == "ready" and record.pid == child.process.pid
 
     def wait_ready(self, children: list[Child] | None = None, timeout: float = 300.0) -> None:
         """Block until each child's own record says ``ready``; raise if one dies or time runs out.
@@ -262,6 +311,242 @@ class Supervisor:
         self.generation += 1
         self.publish()
 
+    # --- reconfiguring --------------------------------------------------
+    def _plan(self, batch: int) -> Configuration:
+        """The optimizer's configuration for B=``batch`` within the thread budget (as ``up`` plans)."""
+        return choose(self.model, self.threads_budget, batch, self.profile, graph=self.settings.graph_mode,
+                      handler=self.handler).configuration
+
+    def reconfigure(self, target: Configuration, *, reason: str = "operator", origin: str = "api",
+                    adaptive: bool | None = None, message: control.ControlMessage | None = None,
+                    decided: float | None = None) -> Reconfiguration | None:
+        """Begin serving ``target``; :meth:`check` carries the change through (see :mod:`workers.reconfiguration`).
+
+        Returns the change begun, or None when ``target`` is what is served
+        already (only ``adaptive`` may change then). Raises ``RuntimeError``
+        while another change is in progress, :class:`AllocationError` when the
+        target does not fit the cores.
+        """
+        if self.change is not None:
+            raise RuntimeError(f"a reconfiguration to {self.change.target} is in progress ({self.change.phase})")
+        new_adaptive = self.adaptive if adaptive is None else adaptive
+        current = [(i.record.threads, i.record.batch) for i in self.instances]
+        if current == [(s.threads, s.batch) for s in target.instances] and new_adaptive == self.adaptive:
+            return None
+        plan = plan_change(current, target)
+        kept = [self.instances[i] for i, _ in plan.kept]
+        leaving = [self.instances[i] for i in plan.stop]
+        used = {c for inst in kept for c in inst.record.cpus}
+        leaving_cpus = {c for inst in leaving for c in inst.record.cpus}
+        generation = self.generation + 1
+        starting = Configuration(instances=plan.start) if plan.start else None
+        oversubscribed = False
+        assignments: list[CoreAssignment] = []
+        if starting is not None:
+            try:
+                assignments = allocate(self.topology.without(used | leaving_cpus), starting)
+            except AllocationError:
+                # Not enough free cores: warm up on the cores of the instances being replaced.
+                assignments = allocate(self.topology.without(used), starting)
+                oversubscribed = bool({c for a in assignments for c in a.cpus} & leaving_cpus)
+        self.change = Reconfiguration(
+            source=self.configuration, target=target, kind=plan.kind, generation=generation,
+            reason=message.reason if message else reason, origin=message.origin if message else origin,
+            adaptive=new_adaptive, message=message,
+            decided=(message.decided if message and message.decided else decided) or time.time(),
+            oversubscribed=oversubscribed)
+        self._kept = [(inst, batch) for inst, (_, batch) in zip(kept, plan.kept)]
+        self._leaving = leaving
+        self.passive = [self._instance(a, generation) for a in assignments]
+        # The new instance ids follow the target's order among the started ones.
+        for inst in self.passive:
+            self._start_instance(inst)
+        log.info("reconfiguring %s: %s -> %s (%s, %s%s)", self.model, self.configuration.compact(),
+                 target.compact(), plan.kind, self.change.reason, ", over-subscribed while warming" if oversubscribed else "")
+        self._advance()
+        return self.change
+
+    def _advance(self) -> None:
+        """One step of the reconfiguration in progress, if any; never blocks."""
+        change = self.change
+        if change is None:
+            return
+        if change.phase == "warming":
+            for inst in self.passive:
+                if inst.child.restarts >= 2 and not inst.child.running():
+                    self._fail(f"{inst.child.name} failed to start {inst.child.restarts + 1} times")
+                    return
+            if time.monotonic() - change.phase_since > self.ready_timeout_s:
+                self._fail(f"new instances not ready after {self.ready_timeout_s:.0f} s")
+                return
+            if not all(inst.child.running() and self._is_ready(inst.child) for inst in self.passive):
+                return
+            self._switch()
+            return
+        if change.phase == "switching":
+            if self._dispatcher_adopted(change.generation) or time.monotonic() - change.phase_since > 60.0:
+                change.enter("draining")
+            else:
+                return
+        if change.phase == "draining":
+            if any(self.r.xlen(self.keys.queue(self.model, i.record.id)) for i in self.retiring):
+                return
+            for inst in self.retiring:
+                inst.child.next_start = 0.0
+                inst.child.terminate()
+            change.enter("stopping")
+        if change.phase == "stopping":
+            waiting = [i for i in self.retiring if i.child.process is not None and i.child.process.poll() is None]
+            if waiting and time.monotonic() - change.phase_since < 30.0:
+                return
+            for inst in waiting:
+                inst.child.wait_or_kill(time.monotonic())
+            self._forget(self.retiring)
+            self.retiring = []
+            change.enter("done")
+            self._finish()
+
+    def _switch(self) -> None:
+        """Passive instances are ready: publish the new generation (the dispatcher adopts it at a batch boundary)."""
+        change = self.change
+        assert change is not None
+        for inst, batch in self._kept:
+            inst.record = inst.record.model_copy(update={"batch": batch})
+        self.instances = [inst for inst, _ in self._kept] + self.passive
+        self.retiring = self._leaving
+        self.passive = []
+        self.configuration = change.target
+        self.generation = change.generation
+        self.adaptive = change.adaptive
+        self.publish()
+        change.enter("switching")
+        self._advance()
+
+    def _dispatcher_adopted(self, generation: int) -> bool:
+        """Whether the dispatcher serves ``generation`` (or none is alive to send anything at all)."""
+        record = DispatcherState.load(self.r, self.keys.dispatcher(self.model))
+        if record is None or record.effective_state(time.time()) not in ("ready", "starting"):
+            return True
+        return record.generation is not None and record.generation >= generation
+
+    def _fail(self, error: str) -> None:
+        """Give a reconfiguration up while still warming: stop the passive instances, keep serving as before."""
+        change = self.change
+        assert change is not None
+        change.error = error
+        log.error("reconfiguration of %s to %s failed: %s", self.model, change.target.compact(), error)
+        for inst in self.passive:
+            inst.child.next_start = 0.0
+            inst.child.terminate()
+        deadline = time.monotonic() + 10.0
+        for inst in self.passive:
+            inst.child.wait_or_kill(deadline)
+        self._forget(self.passive)
+        self.passive = []
+        change.enter("failed")
+        self._finish()
+
+    def _forget(self, instances: list[Instance]) -> None:
+        """Remove the records and (empty) queues of instances that stopped."""
+        pipe = self.r.pipeline()
+        for inst in instances:
+            queue = self.keys.queue(self.model, inst.record.id)
+            pipe.delete(self.keys.instance(self.model, inst.record.id))
+            pipe.srem(self.keys.instances(self.model), inst.record.id)
+            if self.r.xlen(queue) == 0:
+                pipe.delete(queue)
+        pipe.execute()
+
+    def _finish(self) -> None:
+        """Record the change in the model's history, answer whoever asked, and take up the next request."""
+        change = self.change
+        assert change is not None
+        summary = change.summary()
+        pipe = self.r.pipeline(transaction=False)
+        pipe.lpush(self.keys.reconfigurations(self.model), json.dumps(summary))
+        pipe.ltrim(self.keys.reconfigurations(self.model), 0, HISTORY - 1)
+        pipe.execute()
+        if change.error is None:
+            log.info("reconfigured %s to %s (generation %d) in %.2f s", self.model, change.target.compact(),
+                     change.generation, summary["total_s"] or 0.0)
+        self.change = None
+        if change.message is not None:
+            self._reply(change.message, result=summary if change.error is None else None, error=change.error)
+        self._beat()
+        nxt, self._next = self._next, None
+        if nxt is not None:
+            self._carry_out(nxt)
+
+    def _reply(self, message: control.ControlMessage, *, result: dict[str, Any] | None = None,
+               error: str | None = None) -> None:
+        if not message.reply_to:
+            return
+        pipe = self.r.pipeline(transaction=True)
+        replies.queue(pipe, [(message.reply_to, control.reply_fields(message.id, result=result, error=error,
+                                                                        model=message.model))],
+                      ttl_s=self.settings.reply_ttl_s)
+        replies.execute(pipe, f"supervisor of {self.model}")
+
+    def poll_control(self, count: int = 10) -> int:
+        """Read the control stream (never blocking) and act on this model's messages; returns how many were read."""
+        try:
+            resp = self.r.xreadgroup(self.control_group, self.node, {self.keys.control(): ">"}, count=count)
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            ensure_group(self.r, self.keys.control(), self.control_group, start="$")
+            return 0
+        entries = resp[0][1] if resp else []
+        for entry_id, fields in entries:
+            # Acknowledged when read: a message is carried out by this process or not at all
+            # (a supervisor that dies mid-way is restarted with its own configuration).
+            self.r.xack(self.keys.control(), self.control_group, entry_id)
+            self._on_message(entry_id, fields)
+        return len(entries)
+
+    def _on_message(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+        try:
+            message = control.parse(entry_id, fields, self.settings.prefix)
+        except control.ControlError as exc:
+            # Every supervisor sees the message; the first to claim it answers.
+            if exc.reply_to and self.r.set(self.keys.lock(f"control:{entry_id.decode()}"), self.node, nx=True, ex=300):
+                pipe = self.r.pipeline(transaction=True)
+                replies.queue(pipe, [(exc.reply_to, control.reply_fields(exc.message_id, error=str(exc)))],
+                              ttl_s=self.settings.reply_ttl_s)
+                replies.execute(pipe, f"supervisor of {self.model}")
+            log.warning("control message %s refused: %s", entry_id.decode(), exc)
+            return
+        if message.model != self.model:
+            return
+        if message.origin == "estimator" and not self.adaptive:
+            return  # a request made before the model was pinned
+        if self.change is not None:
+            if self._next is not None:
+                self._reply(self._next, error=f"superseded by control message {message.id}")
+            self._next = message
+            return
+        self._carry_out(message)
+
+    def _carry_out(self, message: control.ControlMessage) -> None:
+        """Plan the message's target and begin the change; an impossible one is answered with why."""
+        try:
+            if message.instances:
+                target = Configuration.parse(message.instances)
+            else:
+                assert message.batch is not None
+                target = self.planner(message.batch)
+            # An operator's B or instances pin B unless they ask for the estimator; the estimator's own keeps it.
+            adaptive = message.adaptive if message.adaptive is not None else (
+                self.adaptive if message.origin == "estimator" else False)
+            change = self.reconfigure(target, adaptive=adaptive, message=message)
+        except (ValueError, AllocationError, RuntimeError) as exc:
+            self._reply(message, error=f"cannot reconfigure {self.model}: {exc}")
+            log.warning("reconfiguration of %s refused: %s", self.model, exc)
+            return
+        if change is None:
+            self._reply(message, result={"unchanged": True, "configuration": self.configuration.compact(),
+                                         "generation": self.generation, "adaptive": self.adaptive})
+
     # --- supervising --------------------------------------------------
     def check(self) -> list[str]:
         """Restart whatever died, when its backoff allows; returns the names restarted now. Never blocks."""
@@ -279,6 +564,8 @@ class Supervisor:
             restarted.append(child.name)
         # After a Redis restart without persistence the deployment is gone.
         self.republish_if_lost()
+        self.poll_control()
+        self._advance()
         self._beat()
         return restarted
 
@@ -302,6 +589,8 @@ class Supervisor:
             state="ready", pid=os.getpid(), host=socket.gethostname(), interval=self.settings.heartbeat_s,
             heartbeat=time.time(), loop_errors=self.loop_errors, node=self.node, generation=self.generation,
             instances=[i.record.id for i in self.instances], with_dispatcher=self.with_dispatcher,
+            adaptive=self.adaptive, phase=self.change.phase if self.change else "",
+            target=self.change.target.compact() if self.change else "",
         )
         try:
             pipe = self.r.pipeline(transaction=False)
@@ -374,10 +663,10 @@ class Supervisor:
             drained = False
         if not drained:
             log.warning("instance queues not empty at shutdown; their work is kept in Redis")
-        for inst in self.instances:
+        for inst in self.all_instances:
             inst.child.terminate()
         deadline = time.monotonic() + timeout
-        for inst in self.instances:
+        for inst in self.all_instances:
             inst.child.wait_or_kill(deadline)
         try:
             self.retire()
@@ -387,11 +676,11 @@ class Supervisor:
     def drain(self, timeout: float = 30.0) -> bool:
         """Wait until every instance queue is empty (after the dispatcher stopped)."""
         deadline = time.monotonic() + timeout
-        queues = [self.keys.queue(self.model, i.record.id) for i in self.instances]
+        queues = [self.keys.queue(self.model, i.record.id) for i in self.all_instances]
         while time.monotonic() < deadline:
             if all(self.r.xlen(q) == 0 for q in queues):
                 return True
-            if not any(i.child.running() for i in self.instances):
+            if not any(i.child.running() for i in self.all_instances):
                 return False
             time.sleep(0.02)
         return False
@@ -404,7 +693,7 @@ class Supervisor:
         and generation takes it over.
         """
         pipe = self.r.pipeline()
-        for inst in self.instances:
+        for inst in self.all_instances:
             queue = self.keys.queue(self.model, inst.record.id)
             pipe.delete(self.keys.instance(self.model, inst.record.id))
             pipe.srem(self.keys.instances(self.model), inst.record.id)

@@ -1,0 +1,158 @@
+"""The estimator at work in the dispatcher: sample, decide, ask the supervisor.
+
+A thread of the dispatcher process samples the request stream's length every
+``estimator_sample_ms`` (one ``XLEN``, its own connection from the pool) into
+the :class:`~dispatcher.estimation.Estimator`, and asks the
+:class:`~dispatcher.estimation.Policy` whether to change B. A decision
+becomes a control message (:mod:`packrat_mq.control`, ``origin estimator``)
+to the model's supervisors, which plan the new configuration with the
+optimizer and carry it out; the dispatcher learns that it happened from the
+next deployment it reads, at a batch boundary. While one request is
+outstanding no other is sent (for ``outstanding_s`` at most, in case the
+supervisor is gone).
+
+The thread never touches the dispatch loop's state: the loop reports batches
+(:meth:`Adaptive.record_batch`) and deployments (:meth:`Adaptive.serving`)
+under a lock, and reads a snapshot for its heartbeat.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis
+
+from dispatcher.estimation import Decision, Estimator, EstimatorSettings, Policy
+from packrat_mq import control
+from packrat_mq.settings import Settings
+
+log = logging.getLogger("packrat_mq.dispatcher.adaptive")
+
+
+def estimator_settings(settings: Settings) -> EstimatorSettings:
+    """The estimator's parameters from the process settings (``PACKRAT_ESTIMATOR_*`` and friends)."""
+    return EstimatorSettings(
+        alpha=settings.estimator_alpha, window=settings.estimator_window, sample_ms=settings.estimator_sample_ms,
+        min_batch=settings.adaptive_min_batch, max_batch=max(settings.adaptive_min_batch, settings.adaptive_max_batch),
+        reconfigure_timeout_s=settings.reconfigure_timeout_s, trigger_period_s=settings.trigger_period_s,
+    )
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What the dispatcher's record says about the estimate."""
+
+    adaptive: bool
+    q_tilde: float | None
+    b_tilde: int | None
+    requested: int | None
+
+
+class Adaptive:
+    """Samples the request stream and asks for reconfigurations while the deployment is adaptive."""
+
+    def __init__(self, r: redis.Redis, settings: Settings, model: str, *,
+                 clock: Callable[[], float] | None = None, outstanding_s: float = 60.0) -> None:
+        self.r = r
+        self.settings = settings
+        self.keys = settings.keys
+        self.model = model
+        self.stream = self.keys.requests(model)
+        self.config = estimator_settings(settings)
+        self.estimator = Estimator(self.config)
+        self.policy = Policy(self.config)
+        self.clock = clock or time.monotonic
+        self.outstanding_s = outstanding_s
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.adaptive = False
+        self.batch: int | None = None
+        self.generation: int | None = None
+        self.predicted_ms: float | None = None
+        #: The B asked for and when (monotonic), until a deployment with it (or the timeout).
+        self._requested: tuple[int, float] | None = None
+        self.sent: list[Decision] = []
+
+    # --- what the dispatch loop tells it --------------------------------
+    def serving(self, batch: int, generation: int, adaptive: bool, predicted_ms: float | None) -> None:
+        """The dispatcher now serves this deployment (called at the batch boundary where it switched)."""
+        with self._lock:
+            now = self.clock()
+            if self.batch is not None and batch != self.batch:
+                self.policy.changed(now, self.batch, batch)
+            self.batch, self.generation, self.adaptive, self.predicted_ms = batch, generation, adaptive, predicted_ms
+            if self._requested is not None and (self._requested[0] == batch or not adaptive):
+                self._requested = None
+
+    def record_batch(self, size: int, timed_out: bool, queue_ms: float) -> None:
+        with self._lock:
+            self.policy.record_batch(self.clock(), size, timed_out, queue_ms)
+
+    def snapshot(self) -> Snapshot:
+        with self._lock:
+            return Snapshot(self.adaptive, self.estimator.q_tilde, self.estimator.b_tilde,
+                            self._requested[0] if self._requested else None)
+
+    # --- the sampler -----------------------------------------------------
+    def sample(self) -> Decision | None:
+        """One sample and decision (the thread's body; tests call it directly)."""
+        length = self.r.xlen(self.stream)
+        with self._lock:
+            now = self.clock()
+            self.estimator.observe(length, self.batch)
+            if not self.adaptive or self.batch is None:
+                return None
+            if self._requested is not None:
+                if now - self._requested[1] < self.outstanding_s:
+                    return None
+                log.warning("model %s: no reconfiguration to B=%d after %.0f s; asking again",
+                            self.model, self._requested[0], self.outstanding_s)
+                self._requested = None
+            decision = self.policy.decide(now, self.batch, self.estimator.b_tilde, self.estimator.q_tilde,
+                                          self.predicted_ms)
+            if decision is None:
+                return None
+            self._requested = (decision.batch, now)
+        self._ask(decision)
+        return decision
+
+    def _ask(self, decision: Decision) -> None:
+        q = f"{decision.q_tilde:.1f}" if decision.q_tilde is not None else "-"
+        reason = f"{decision.reason}: Q̃={q}, B {decision.current} -> {decision.batch}"
+        message = control.ControlMessage(id=control.new_id(), model=self.model, batch=decision.batch,
+                                         reason=reason, origin="estimator", decided=time.time())
+        control.send(self.r, self.keys, message)
+        self.sent.append(decision)
+        log.info("model %s: asking for B=%d (%s)", self.model, decision.batch, reason)
+
+    def _run(self) -> None:
+        period = self.config.sample_ms / 1000.0
+        next_at = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                self.sample()
+            except redis.RedisError as exc:
+                log.debug("estimator sample failed: %s", exc)
+                self._stop.wait(0.5)  # the dispatch loop reports and recovers; do not spin
+            except Exception:  # noqa: BLE001 - the estimator must not end the dispatcher
+                log.exception("estimator sample failed")
+                self._stop.wait(0.5)
+            next_at += period
+            delay = next_at - time.monotonic()
+            if delay < 0:
+                next_at = time.monotonic()  # fell behind (a slow Redis): no burst to catch up
+                delay = 0
+            self._stop.wait(delay)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="estimator", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(1.0)

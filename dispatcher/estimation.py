@@ -1,0 +1,206 @@
+"""Batch-size estimation: what B the load asks for, and when to change to it.
+
+Packrat's estimator, as its design describes it, with two guards of our own
+against reconfiguration storms:
+
+- **Sample** the model's request stream length every ``sample_ms`` (5 ms).
+  Payloads stay in the request stream until their instance answers them, so
+  ``XLEN`` counts every request not yet answered, waiting or running: the
+  load's concurrency. (The waiting part alone would read about zero right
+  after every dispatch and about B just before, whatever B is; the estimate
+  would chase its own batches.) In a closed loop of C clients it reads C; in
+  an open loop it reads arrival rate × time in the system (Little's law).
+- **Smooth** it: ``Q̃ ← α·Q̂ + (1−α)·Q̃`` (α = 0.1).
+- **Round** to the next lower power of two, clamped to ``[min_batch,
+  max_batch]``: ``B̂``. Guard 1, hysteresis: below the current B, ``B̂``
+  stays at B until ``Q̃`` is below ``(1 − hysteresis)·B``; a load that sits on
+  a boundary (Q̃ wandering between 7 and 9 around B = 8) does not flip B̂.
+- **Vote**: ``B̃`` is the mode of the last ``window`` (10) values of ``B̂``
+  (ties go to the most recent).
+- **Decide** (:class:`Policy`): when ``B̃ ≠ B`` has held for the whole
+  reconfiguration timeout (1 s), change to ``B̃``. Guard 2, damping: a change
+  that undoes the previous one within ``flap_window_s`` doubles the timeout
+  (up to ``max_timeout_s``); a period as long as ``max_timeout_s`` without a
+  change restores it. Two more triggers, as the design has them, act on what
+  the dispatcher sees over ``trigger_period_s``: batch-aggregation timeouts
+  firing on most batches (B is larger than what arrives: go to the size that
+  does arrive) and a large queueing delay (requests wait longer than
+  ``queue_delay_factor`` × the predicted latency: B is too small).
+
+Everything here is pure (a clock is passed in), so the rules are tested
+without Redis or processes; :mod:`dispatcher.adaptive` runs them in the
+dispatcher.
+"""
+from __future__ import annotations
+
+import statistics
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, Field
+
+
+class EstimatorSettings(BaseModel):
+    """The estimator's and the policy's parameters (the original's defaults)."""
+
+    alpha: float = Field(default=0.1, gt=0, le=1, description="EWMA weight of a new sample.")
+    window: int = Field(default=10, ge=1, description="B̃ is the mode of this many recent B̂.")
+    sample_ms: float = Field(default=5.0, gt=0, description="How often the request stream's length is read.")
+    min_batch: int = Field(default=1, ge=1)
+    max_batch: int = Field(default=32, ge=1)
+    hysteresis: float = Field(default=0.25, ge=0, lt=1,
+                              description="Below B, B̂ stays B until Q̃ < (1 - hysteresis)·B.")
+    reconfigure_timeout_s: float = Field(default=1.0, gt=0,
+                                         description="B̃ must differ from B this long before a change.")
+    max_timeout_s: float = Field(default=30.0, gt=0, description="Cap of the damped timeout.")
+    flap_window_s: float = Field(default=30.0, ge=0,
+                                 description="A change undoing the previous one within this doubles the timeout.")
+    trigger_period_s: float = Field(default=1.0, gt=0, description="Window of the timeout and queue-delay triggers.")
+    timeout_fraction: float = Field(default=0.5, gt=0, le=1,
+                                    description="Trigger when this share of the period's batches were cut by the timeout.")
+    queue_delay_factor: float = Field(default=2.0, gt=0,
+                                      description="Trigger when median queueing delay > factor × predicted latency.")
+    min_trigger_batches: int = Field(default=5, ge=1, description="Batches a trigger needs in its period.")
+
+
+def floor_pow2(x: float) -> int:
+    """The largest power of two ≤ ``x`` (1 for anything below 2)."""
+    if x < 2:
+        return 1
+    return 1 << (int(x).bit_length() - 1)
+
+
+class Estimator:
+    """Q̃ (EWMA of the sampled stream length), B̂ and B̃ (mode of the recent B̂)."""
+
+    def __init__(self, settings: EstimatorSettings | None = None) -> None:
+        self.settings = settings or EstimatorSettings()
+        self.q_tilde: float | None = None
+        self._recent: deque[int] = deque(maxlen=self.settings.window)
+
+    def b_hat(self, q: float, current: int | None = None) -> int:
+        """B̂ for a smoothed length ``q`` while serving ``current`` (hysteresis below it)."""
+        s = self.settings
+        b = min(max(floor_pow2(q), s.min_batch), s.max_batch)
+        if current is not None and b < current and q >= (1 - s.hysteresis) * current:
+            b = min(current, s.max_batch)
+        return b
+
+    def observe(self, length: int, current: int | None = None) -> int:
+        """Take one sample of the stream length; returns B̂."""
+        a = self.settings.alpha
+        self.q_tilde = float(length) if self.q_tilde is None else a * length + (1 - a) * self.q_tilde
+        b = self.b_hat(self.q_tilde, current)
+        self._recent.append(b)
+        return b
+
+    @property
+    def b_tilde(self) -> int | None:
+        """The mode of the last ``window`` B̂; ties go to the most recent value. None before a sample."""
+        if not self._recent:
+            return None
+        counts = Counter(self._recent)
+        top = max(counts.values())
+        for b in reversed(self._recent):
+            if counts[b] == top:
+                return b
+        return None  # pragma: no cover - unreachable
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Change the model's aggregated batch to ``batch``, and why."""
+
+    batch: int
+    reason: str
+    current: int
+    q_tilde: float | None = None
+
+
+@dataclass
+class _Batch:
+    at: float
+    size: int
+    timed_out: bool
+    queue_ms: float
+
+
+@dataclass
+class Policy:
+    """When the estimate becomes a reconfiguration (see the module docstring)."""
+
+    settings: EstimatorSettings = field(default_factory=EstimatorSettings)
+    #: Time since when B̃ has differed from the current B (None: it does not).
+    disagree_since: float | None = None
+    timeout_s: float = 0.0
+    last_change_at: float | None = None
+    last_change: tuple[int, int] | None = None
+    _batches: deque[_Batch] = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        self.timeout_s = self.settings.reconfigure_timeout_s
+
+    # --- what the dispatcher sees ---------------------------------------
+    def record_batch(self, now: float, size: int, timed_out: bool, queue_ms: float) -> None:
+        """One dispatched batch: its size, whether the timeout cut it short, its oldest request's wait."""
+        self._batches.append(_Batch(now, size, timed_out, queue_ms))
+        self._forget(now)
+
+    def _forget(self, now: float) -> None:
+        horizon = now - self.settings.trigger_period_s
+        while self._batches and self._batches[0].at < horizon:
+            self._batches.popleft()
+
+    def changed(self, now: float, old: int, new: int) -> None:
+        """A reconfiguration from ``old`` to ``new`` took effect (whoever asked for it)."""
+        s = self.settings
+        if (self.last_change is not None and self.last_change_at is not None
+                and self.last_change == (new, old) and now - self.last_change_at <= s.flap_window_s):
+            self.timeout_s = min(self.timeout_s * 2, s.max_timeout_s)
+        self.last_change = (old, new)
+        self.last_change_at = now
+        self.disagree_since = None
+        self._batches.clear()
+
+    # --- deciding --------------------------------------------------------
+    def decide(self, now: float, current: int, b_tilde: int | None, q_tilde: float | None = None,
+               predicted_ms: float | None = None) -> Decision | None:
+        """The change to ask for now, if any."""
+        s = self.settings
+        if (self.last_change_at is not None and self.timeout_s > s.reconfigure_timeout_s
+                and now - self.last_change_at >= s.max_timeout_s):
+            self.timeout_s = s.reconfigure_timeout_s  # steady for long: forget past flapping
+        self._forget(now)
+        if b_tilde is None:
+            return None
+        if b_tilde == current:
+            self.disagree_since = None
+        elif self.disagree_since is None:
+            self.disagree_since = now
+        # Nothing sooner than one timeout after the last change, whatever the reason.
+        if self.last_change_at is not None and now - self.last_change_at < self.timeout_s:
+            return None
+        if self.disagree_since is not None and now - self.disagree_since >= self.timeout_s:
+            return Decision(b_tilde, "estimate", current, q_tilde)
+        return self._triggered(current, b_tilde, q_tilde, predicted_ms)
+
+    def _triggered(self, current: int, b_tilde: int, q_tilde: float | None,
+                   predicted_ms: float | None) -> Decision | None:
+        s = self.settings
+        batches = list(self._batches)
+        if len(batches) < s.min_trigger_batches:
+            return None
+        timed_out = [b for b in batches if b.timed_out]
+        if current > s.min_batch and len(timed_out) >= s.timeout_fraction * len(batches):
+            # What arrives within the timeout, rounded down; never more than the estimate.
+            arriving = floor_pow2(statistics.median(b.size for b in timed_out))
+            target = max(s.min_batch, min(arriving, max(1, current // 2)))
+            if target < current:
+                return Decision(target, "timeouts", current, q_tilde)
+        if predicted_ms and current < s.max_batch:
+            delay = statistics.median(b.queue_ms for b in batches)
+            if delay > s.queue_delay_factor * predicted_ms:
+                target = min(s.max_batch, max(b_tilde, current * 2))
+                if target > current:
+                    return Decision(target, "queue delay", current, q_tilde)
+        return None
