@@ -11,8 +11,9 @@ against reconfiguration storms:
   would chase its own batches.) In a closed loop of C clients it reads C; in
   an open loop it reads arrival rate × time in the system (Little's law).
 - **Smooth** it: ``Q̃ ← α·Q̂ + (1−α)·Q̃`` (α = 0.1).
-- **Round** to the next lower power of two, clamped to ``[min_batch,
-  max_batch]``: ``B̂``. Guard 1, hysteresis: below the current B, ``B̂``
+- **Round** to the next lower power of two of the nearest integer (a stream
+  length is one; an EWMA of a constant 16 only approaches 16 from below),
+  clamped to ``[min_batch, max_batch]``: ``B̂``. Guard 1, hysteresis: below the current B, ``B̂``
   stays at B until ``Q̃`` is below ``(1 − hysteresis)·B``; a load that sits on
   a boundary (Q̃ wandering between 7 and 9 around B = 8) does not flip B̂.
 - **Vote**: ``B̃`` is the mode of the last ``window`` (10) values of ``B̂``
@@ -20,8 +21,9 @@ against reconfiguration storms:
 - **Decide** (:class:`Policy`): when ``B̃ ≠ B`` has held for the whole
   reconfiguration timeout (1 s), change to ``B̃``. Guard 2, damping: a change
   that undoes the previous one within ``flap_window_s`` doubles the timeout
-  (up to ``max_timeout_s``); a period as long as ``max_timeout_s`` without a
-  change restores it. Two more triggers, as the design has them, act on what
+  (up to ``max_timeout_s``); only ``max_timeout_s`` of the estimate agreeing
+  with B throughout restores it (a load alternating faster than the damped
+  timeout never does, and is served with one configuration). Two more triggers, as the design has them, act on what
   the dispatcher sees over ``trigger_period_s``: batch-aggregation timeouts
   firing on most batches (B is larger than what arrives: go to the size that
   does arrive) and a large queueing delay (requests wait longer than
@@ -33,6 +35,7 @@ dispatcher.
 """
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -81,7 +84,7 @@ class Estimator:
     def b_hat(self, q: float, current: int | None = None) -> int:
         """B̂ for a smoothed length ``q`` while serving ``current`` (hysteresis below it)."""
         s = self.settings
-        b = min(max(floor_pow2(q), s.min_batch), s.max_batch)
+        b = min(max(floor_pow2(math.floor(q + 0.5)), s.min_batch), s.max_batch)
         if current is not None and b < current and q >= (1 - s.hysteresis) * current:
             b = min(current, s.max_batch)
         return b
@@ -132,6 +135,8 @@ class Policy:
     settings: EstimatorSettings = field(default_factory=EstimatorSettings)
     #: Time since when B̃ has differed from the current B (None: it does not).
     disagree_since: float | None = None
+    #: Time since when B̃ has agreed with B throughout (None: it does not now).
+    agree_since: float | None = None
     timeout_s: float = 0.0
     last_change_at: float | None = None
     last_change: tuple[int, int] | None = None
@@ -160,6 +165,7 @@ class Policy:
         self.last_change = (old, new)
         self.last_change_at = now
         self.disagree_since = None
+        self.agree_since = None
         self._batches.clear()
 
     # --- deciding --------------------------------------------------------
@@ -167,16 +173,19 @@ class Policy:
                predicted_ms: float | None = None) -> Decision | None:
         """The change to ask for now, if any."""
         s = self.settings
-        if (self.last_change_at is not None and self.timeout_s > s.reconfigure_timeout_s
-                and now - self.last_change_at >= s.max_timeout_s):
-            self.timeout_s = s.reconfigure_timeout_s  # steady for long: forget past flapping
         self._forget(now)
         if b_tilde is None:
             return None
         if b_tilde == current:
             self.disagree_since = None
-        elif self.disagree_since is None:
-            self.disagree_since = now
+            if self.agree_since is None:
+                self.agree_since = now
+            elif self.timeout_s > s.reconfigure_timeout_s and now - self.agree_since >= s.max_timeout_s:
+                self.timeout_s = s.reconfigure_timeout_s  # steady for long: forget past flapping
+        else:
+            self.agree_since = None
+            if self.disagree_since is None:
+                self.disagree_since = now
         # Nothing sooner than one timeout after the last change, whatever the reason.
         if self.last_change_at is not None and now - self.last_change_at < self.timeout_s:
             return None

@@ -69,6 +69,8 @@ class Child:
     backoff: Backoff = field(default_factory=restart_policy)
     #: When the dead process is started again (monotonic); 0.0 while it runs.
     next_start: float = 0.0
+    #: False once it is being stopped for good (a reconfiguration retired it): never restarted.
+    wanted: bool = True
 
     def start(self) -> None:
         self.process = spawn(self.module, self.spec_json, self.env)
@@ -86,7 +88,7 @@ class Child:
         :func:`restart_policy` (and says so in its record); a later check
         reports it due.
         """
-        if self.process is None:
+        if self.process is None or not self.wanted:
             return False
         if self.process.poll() is None:
             self.backoff.success()
@@ -392,6 +394,7 @@ class Supervisor:
             if any(self.r.xlen(self.keys.queue(self.model, i.record.id)) for i in self.retiring):
                 return
             for inst in self.retiring:
+                inst.child.wanted = False
                 inst.child.next_start = 0.0
                 inst.child.terminate()
             change.enter("stopping")
@@ -436,6 +439,7 @@ class Supervisor:
         change.error = error
         log.error("reconfiguration of %s to %s failed: %s", self.model, change.target.compact(), error)
         for inst in self.passive:
+            inst.child.wanted = False
             inst.child.next_start = 0.0
             inst.child.terminate()
         deadline = time.monotonic() + 10.0

@@ -1,0 +1,173 @@
+"""The batch-size estimator and the reconfiguration policy, driven with a fake clock (no Redis)."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from dispatcher.estimation import Estimator, EstimatorSettings, Policy, floor_pow2
+
+
+def test_floor_pow2() -> None:
+    assert [floor_pow2(x) for x in (0, 0.5, 1, 1.9, 2, 3, 4, 7.99, 8, 31, 32, 33)] == [1, 1, 1, 1, 2, 2, 4, 4, 8, 16, 32, 32]
+
+
+def test_ewma_and_mode_follow_the_original_defaults() -> None:
+    est = Estimator()
+    est.observe(10)
+    assert est.q_tilde == 10.0  # the first sample starts the average
+    est.observe(0)
+    assert est.q_tilde == pytest.approx(9.0)  # 0.1 * 0 + 0.9 * 10
+    for _ in range(200):
+        est.observe(20)
+    assert est.q_tilde == pytest.approx(20.0, rel=1e-6)
+    assert est.b_tilde == 16
+
+
+def test_b_tilde_is_the_mode_of_the_last_window_ties_to_the_newest() -> None:
+    est = Estimator(EstimatorSettings(alpha=1.0, window=4))
+    for q in (8, 8, 2, 2):
+        est.observe(q)
+    assert est.b_tilde == 2  # 8 and 2 tie: the most recent wins
+    est.observe(8)  # window is now 8, 2, 2, 8
+    assert est.b_tilde == 8
+    est.observe(2)  # 2, 2, 8, 2
+    assert est.b_tilde == 2
+
+
+def test_clamped_to_min_and_max_batch() -> None:
+    est = Estimator(EstimatorSettings(alpha=1.0, min_batch=2, max_batch=16))
+    est.observe(0)
+    assert est.b_tilde == 2
+    for _ in range(20):
+        est.observe(1000)
+    assert est.b_tilde == 16
+
+
+def test_hysteresis_below_the_current_batch() -> None:
+    est = Estimator(EstimatorSettings(alpha=1.0, hysteresis=0.25))
+    assert est.b_hat(7.0, current=8) == 8  # 7 >= 0.75 * 8: stays
+    assert est.b_hat(6.0, current=8) == 8
+    assert est.b_hat(5.9, current=8) == 4
+    assert est.b_hat(7.0, current=None) == 4
+    assert est.b_hat(7.6, current=None) == 8  # the nearest integer first
+    assert est.b_hat(16.0, current=8) == 16  # going up needs no margin: 2B is the boundary itself
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def drive(policy: Policy, est: Estimator, clock: Clock, lengths: list[float], current: int,
+          sample_s: float = 0.005) -> tuple[int, list[tuple[float, int, int, str]]]:
+    """Feed samples; apply each decision at once (as a reconfiguration that takes no time)."""
+    changes: list[tuple[float, int, int, str]] = []
+    for q in lengths:
+        clock.t += sample_s
+        est.observe(q, current)
+        d = policy.decide(clock.t, current, est.b_tilde, est.q_tilde)
+        if d is not None:
+            changes.append((clock.t, current, d.batch, d.reason))
+            policy.changed(clock.t, current, d.batch)
+            current = d.batch
+    return current, changes
+
+
+def test_steady_load_never_reconfigures() -> None:
+    rng = random.Random(7)
+    clock, est, policy = Clock(), Estimator(), Policy()
+    # 60 s of a closed loop of 8 clients: the stream holds 6-8 requests (some answered, resent).
+    lengths = [rng.choice((6, 7, 8, 8, 8)) for _ in range(12_000)]
+    current, changes = drive(policy, est, clock, lengths, current=8)
+    assert changes == []
+    assert current == 8
+
+
+def test_a_step_up_is_followed_once_after_the_timeout() -> None:
+    clock, est, policy = Clock(), Estimator(), Policy()
+    current, changes = drive(policy, est, clock, [1.0] * 400 + [16.0] * 1000, current=1)
+    assert [(old, new) for _, old, new, _ in changes] == [(1, 16)]
+    t_step = 1000.0 + 400 * 0.005
+    # Q̃ crosses 16... within a few samples; the change comes one timeout (1 s) later, not sooner.
+    assert 1.0 <= changes[0][0] - t_step <= 1.5
+    assert changes[0][3] == "estimate"
+
+
+def test_idle_goes_down_to_one() -> None:
+    clock, est, policy = Clock(), Estimator(), Policy()
+    current, changes = drive(policy, est, clock, [0.0] * 1000, current=32)
+    assert current == 1
+    assert len(changes) == 1
+
+
+def test_a_load_oscillating_around_a_boundary_causes_no_storm() -> None:
+    """Q wanders across the 8 boundary (5..11) with a 2 s period for 120 s: at most a few changes."""
+    clock, est, policy = Clock(), Estimator(), Policy()
+    lengths = [8 + 3 * math.sin(2 * math.pi * k * 0.005 / 2.0) for k in range(24_000)]
+    _, changes = drive(policy, est, clock, lengths, current=8)
+    assert len(changes) <= 2, changes
+
+
+def test_flapping_between_two_sizes_is_damped() -> None:
+    """Phases of 3 s alternating between 4 and 16 requests for 10 minutes: the timeout doubles after
+    each reversal, so far fewer changes than phases (200), and never two within a second."""
+    clock, est, policy = Clock(), Estimator(), Policy()
+    lengths: list[float] = []
+    for phase in range(200):
+        lengths += [4.0 if phase % 2 else 16.0] * 600
+    _, changes = drive(policy, est, clock, lengths, current=16)
+    assert len(changes) <= 20, len(changes)
+    times = [t for t, *_ in changes]
+    assert all(b - a >= 1.0 for a, b in zip(times, times[1:]))
+    assert policy.timeout_s > policy.settings.reconfigure_timeout_s
+
+
+def test_damping_is_forgotten_after_a_steady_period() -> None:
+    s = EstimatorSettings(max_timeout_s=8.0, flap_window_s=30.0)
+    policy = Policy(s)
+    policy.changed(0.0, 8, 4)
+    policy.changed(2.0, 4, 8)  # undoes the previous change
+    assert policy.timeout_s == 2.0
+    policy.decide(3.0, 8, 8)  # the estimate agrees from here on
+    policy.decide(3.0 + 7.5, 8, 8)
+    assert policy.timeout_s == 2.0  # not yet max_timeout_s of agreement
+    policy.decide(3.0 + 8.5, 8, 8)
+    assert policy.timeout_s == 1.0
+
+
+def test_timeouts_trigger_a_smaller_batch_before_the_estimate_does() -> None:
+    policy = Policy()
+    policy.changed(0.0, 4, 32)
+    # Batches of 3-5 cut by the timeout, 20 in the last second, while B̃ still says 32.
+    t = 5.0
+    for k in range(20):
+        t += 0.05
+        policy.record_batch(t, 3 + k % 3, True, 5.0)
+    d = policy.decide(t, 32, 32)
+    assert d is not None and d.reason == "timeouts" and d.batch == 4
+
+
+def test_queue_delay_triggers_a_larger_batch() -> None:
+    policy = Policy()
+    policy.changed(0.0, 4, 2)
+    t = 5.0
+    for _ in range(10):
+        t += 0.05
+        policy.record_batch(t, 2, False, 400.0)
+    assert policy.decide(t, 2, 2, predicted_ms=None) is None  # no prediction: no yardstick
+    d = policy.decide(t, 2, 2, predicted_ms=100.0)
+    assert d is not None and d.reason == "queue delay" and d.batch == 4
+
+
+def test_nothing_within_a_timeout_of_the_last_change() -> None:
+    policy = Policy()
+    policy.changed(10.0, 1, 8)
+    assert policy.decide(10.5, 8, 1) is None
+    assert policy.decide(10.9, 8, 1) is None
+    d = policy.decide(11.6, 8, 1)
+    assert d is not None and d.batch == 1

@@ -1,0 +1,295 @@
+"""Live reconfiguration: planning a change, and carrying it out under load without loss or duplicates.
+
+Real Redis and real worker/dispatcher processes (``echo`` and ``sleep``), on
+this machine's own cores (configurations of at most two 1-thread instances).
+The supervisor's checks are driven from the test, as ``serve_forever`` would.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from packrat_mq import control
+from packrat_mq.client import Client
+from packrat_mq.instances import Configuration
+from packrat_mq.records import DispatcherState, SupervisorState
+from packrat_mq.settings import Settings
+from packrat_mq.topology import Topology
+from tests.helpers import wait_for
+from workers.reconfiguration import plan_change
+from workers.supervisor import Supervisor
+
+pytestmark = [pytest.mark.timeout(180)]
+
+TWO_CORES = pytest.mark.skipif(Topology.detect().physical_cores < 2, reason="needs two physical cores")
+
+
+# --- planning ------------------------------------------------------------------
+def test_plan_keeps_instances_of_the_same_thread_count() -> None:
+    plan = plan_change([(2, 4), (1, 2), (1, 2)], Configuration.parse("1x8,1x8"))
+    assert plan.kept == ((1, 8), (2, 8)) and plan.start == () and plan.stop == (0,)
+    assert plan.kind == "scale"
+
+
+def test_plan_kinds() -> None:
+    assert plan_change([(1, 1)], Configuration.parse("1x4")).kind == "reshare"
+    assert plan_change([(1, 1)], Configuration.parse("1x2,1x2")).kind == "scale"
+    plan = plan_change([(2, 8)], Configuration.parse("1x4,1x4"))
+    assert plan.kind == "active-passive" and plan.stop == (0,) and len(plan.start) == 2
+
+
+def test_topology_without_cores() -> None:
+    topo = Topology.detect()
+    first = topo.cores[0].cpu
+    rest = topo.without({first})
+    assert rest.physical_cores == topo.physical_cores - 1
+    assert first not in rest.allowed
+
+
+# --- carrying it out -----------------------------------------------------------
+MakeSupervisor = Callable[..., Supervisor]
+
+
+@pytest.fixture
+def make(r: redis.Redis, settings: Settings, redis_url: str) -> Iterator[MakeSupervisor]:
+    made: list[Supervisor] = []
+    quiet = settings.model_copy(update={"log_level": "WARNING", "batch_timeout_ms": 5.0})
+
+    def build(model: str, config: str, **kw: Any) -> Supervisor:
+        kw.setdefault("node", "n1")
+        sup = Supervisor(r, quiet, redis_url, model, Configuration.parse(config), **kw)
+        made.append(sup)
+        return sup
+
+    yield build
+    for sup in made:
+        try:
+            sup.stop(timeout=5)
+        except Exception:  # noqa: BLE001 - the kill below still runs
+            pass
+        for child in sup.children:
+            if child.process is not None and child.process.poll() is None:
+                child.process.kill()
+                child.process.wait()
+
+
+class Load:
+    """Closed-loop producers (threads) sending requests until stopped; every id is kept."""
+
+    def __init__(self, redis_url: str, prefix: str, model: str, clients: int = 4,
+                 payload: dict[str, Any] | None = None) -> None:
+        self.url, self.prefix, self.model = redis_url, prefix, model
+        self.payload = payload if payload is not None else {"sleep_ms": 15}
+        self.sent: list[str] = []
+        self.replies: Counter[str] = Counter()
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(clients)]
+
+    def _run(self) -> None:
+        client = Client(self.url, prefix=self.prefix)
+        try:
+            while not self._stop.is_set():
+                rid = f"q-{uuid.uuid4().hex[:12]}"
+                self.sent.append(rid)
+                client.send(self.model, self.payload, request_id=rid)
+                for reply in client.gather([rid], timeout=60):
+                    self.replies[reply.id] += 1
+                    if not reply.ok:
+                        self.errors.append(f"{reply.id}: {reply.error}")
+        finally:
+            client.close()
+
+    def __enter__(self) -> Load:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(90)
+
+
+def supervise_until(sup: Supervisor, done: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"timed out waiting for {what} (phase {sup.change.phase if sup.change else '-'})"
+        sup.check()
+        time.sleep(0.02)
+
+
+def history(r: redis.Redis, settings: Settings, model: str) -> list[dict[str, Any]]:
+    import json
+
+    return [json.loads(x) for x in r.lrange(settings.keys.reconfigurations(model), 0, -1)]
+
+
+def assert_exactly_once(load: Load, r: redis.Redis, settings: Settings, model: str = "sleep") -> None:
+    assert load.errors == []
+    assert len(load.sent) > 0
+    assert set(load.replies) == set(load.sent), "a request was not answered"
+    assert max(load.replies.values()) == 1, "a request was answered twice"
+    # Every reply written is counted: a duplicate shows here even if no client read it.
+    assert int(r.hget(settings.keys.stats(model), "replies") or 0) == len(load.sent)
+
+
+def test_reshare_is_instant_and_loses_nothing(make: MakeSupervisor, r: redis.Redis, settings: Settings,
+                                             redis_url: str, prefix: str) -> None:
+    sup = make("sleep", "1x1")
+    sup.start(ready_timeout=60)
+    pids = [i.child.process.pid for i in sup.instances]
+    with Load(redis_url, prefix, "sleep") as load:
+        time.sleep(0.5)
+        change = sup.reconfigure(Configuration.parse("1x4"), reason="test")
+        assert change is not None and change.kind == "reshare"
+        supervise_until(sup, lambda: sup.change is None, 20, "the reshare")
+        time.sleep(0.5)
+    assert [i.child.process.pid for i in sup.instances] == pids  # the same process
+    assert sup.deployment.batch == 4 and sup.generation == 2
+    d = DispatcherState.load(r, settings.keys.dispatcher("sleep"))
+    assert d.generation == 2 and d.batch == 4
+    (entry,) = history(r, settings, "sleep")
+    assert entry["kind"] == "reshare" and entry["status"] == "done" and entry["to"] == "1x4"
+    assert entry["total_s"] < 2.0
+    assert_exactly_once(load, r, settings)
+
+
+@TWO_CORES
+def test_scaling_adds_and_removes_instances_under_load(make: MakeSupervisor, r: redis.Redis, settings: Settings,
+                                                       redis_url: str, prefix: str) -> None:
+    sup = make("sleep", "1x2")
+    sup.start(ready_timeout=60)
+    first = sup.instances[0].record.id
+    with Load(redis_url, prefix, "sleep") as load:
+        time.sleep(0.5)
+        assert sup.reconfigure(Configuration.parse("1x2,1x2")).kind == "scale"
+        supervise_until(sup, lambda: sup.change is None, 60, "the scale-out")
+        assert [i.record.id for i in sup.instances][0] == first and len(sup.instances) == 2
+        time.sleep(1.0)
+        assert sup.reconfigure(Configuration.parse("1x2")).kind == "scale"
+        supervise_until(sup, lambda: sup.change is None, 60, "the scale-in")
+        time.sleep(0.5)
+    assert [i.record.id for i in sup.instances] == [first]
+    assert len(r.smembers(settings.keys.instances("sleep"))) == 1  # the removed one's record is gone
+    assert [e["kind"] for e in history(r, settings, "sleep")] == ["scale", "scale"]
+    assert_exactly_once(load, r, settings)
+
+
+@TWO_CORES
+def test_active_passive_switch_under_load(make: MakeSupervisor, r: redis.Redis, settings: Settings,
+                                          redis_url: str, prefix: str) -> None:
+    sup = make("sleep", "2x4")
+    sup.start(ready_timeout=60)
+    old = sup.instances[0]
+    with Load(redis_url, prefix, "sleep", clients=6) as load:
+        time.sleep(0.5)
+        change = sup.reconfigure(Configuration.parse("1x2,1x2"))
+        assert change.kind == "active-passive" and change.oversubscribed
+        assert old.child.running() and len(sup.passive) == 2  # the old one serves while the new warm up
+        supervise_until(sup, lambda: sup.change is None, 60, "the switch")
+        time.sleep(0.5)
+    assert old.child.process.poll() is not None  # stopped after draining
+    assert [i.record.threads for i in sup.instances] == [1, 1]
+    (entry,) = history(r, settings, "sleep")
+    assert entry["status"] == "done" and entry["kind"] == "active-passive"
+    for field in ("decision_to_ready_s", "ready_to_switch_s", "switch_to_drained_s", "oversubscribed_s"):
+        assert entry[field] is not None and entry[field] >= 0
+    # After the switch only the new generation's instances got work.
+    served_by = {i.record.id for i in sup.instances} | {old.record.id}
+    assert set(r.smembers(settings.keys.instances("sleep"))) == {i.record.id.encode() for i in sup.instances}
+    assert served_by
+    assert_exactly_once(load, r, settings)
+
+
+@TWO_CORES
+def test_an_instance_killed_during_a_switch_loses_nothing(make: MakeSupervisor, r: redis.Redis,
+                                                         settings: Settings, redis_url: str, prefix: str) -> None:
+    sup = make("sleep", "1x2,1x2")
+    sup.start(ready_timeout=60)
+    with Load(redis_url, prefix, "sleep", clients=6) as load:
+        time.sleep(0.5)
+        change = sup.reconfigure(Configuration.parse("2x4"))
+        assert change.kind == "active-passive"
+        # Kill one old (still active) instance mid-batch while the new one warms up.
+        victim = sup.instances[1]
+        os.kill(victim.child.process.pid, signal.SIGKILL)
+        supervise_until(sup, lambda: sup.change is None, 90, "the switch with a killed instance")
+        time.sleep(0.5)
+    assert victim.child.restarts >= 1  # restarted to answer what it held
+    assert [i.record.threads for i in sup.instances] == [2]
+    assert_exactly_once(load, r, settings)
+
+
+def test_control_messages_reconfigure_and_bad_ones_change_nothing(make: MakeSupervisor, r: redis.Redis,
+                                                                  settings: Settings) -> None:
+    sup = make("echo", "1x1")
+    sup.start(ready_timeout=60)
+    reply_to = f"{settings.prefix}:replies:ctl"
+
+    def ask(**fields: str) -> dict[bytes, bytes]:
+        mid = control.new_id()
+        r.xadd(settings.keys.control(), {"id": mid, "reply_to": reply_to, **fields})
+        deadline = time.monotonic() + 30
+        while True:
+            sup.check()
+            got = [f for _, f in r.xrange(reply_to) if f[b"id"].decode() == mid]
+            if got:
+                return got[0]
+            assert time.monotonic() < deadline, f"no reply to {fields}"
+            time.sleep(0.02)
+
+    bad = [
+        {"command": "explode", "model": "echo", "batch": "2"},
+        {"command": "reconfigure", "model": "echo"},
+        {"command": "reconfigure", "model": "echo", "batch": "2", "instances": "1x2"},
+        {"command": "reconfigure", "model": "echo", "batch": "zero"},
+        {"command": "reconfigure", "model": "echo", "instances": "1y2"},
+        {"command": "reconfigure", "model": "bad name", "batch": "2"},
+        {"command": "reconfigure", "model": "echo", "instances": "64x1"},  # more cores than there are
+    ]
+    for fields in bad:
+        reply = ask(**fields)
+        assert reply[b"status"] == b"error", fields
+        assert reply[b"error"], fields
+    assert sup.generation == 1 and sup.configuration.compact() == "1x1"
+    reply = ask(command="reconfigure", model="echo", batch="4")
+    assert reply[b"status"] == b"ok", reply
+    assert sup.deployment.batch == 4 and sup.adaptive is False
+    reply = ask(command="reconfigure", model="echo", batch="4")
+    assert reply[b"status"] == b"ok" and b"unchanged" in reply[b"payload"]
+    reply = ask(command="reconfigure", model="echo", batch="2", adaptive="1")
+    assert reply[b"status"] == b"ok" and sup.adaptive is True
+    record = SupervisorState.load(r, settings.keys.supervisor("echo", "n1"))
+    assert record.adaptive is True and record.phase == ""
+
+
+def test_the_estimator_moves_b_with_the_load(make: MakeSupervisor, r: redis.Redis, settings: Settings,
+                                             redis_url: str, prefix: str) -> None:
+    """Adaptive from B=1: eight closed-loop clients raise B to 8; when they stop, B goes back to 1."""
+    sup = make("sleep", "1x1", adaptive=True, threads_budget=1)
+    sup.start(ready_timeout=60)
+    with Load(redis_url, prefix, "sleep", clients=8, payload={"sleep_ms": 30}) as load:
+        supervise_until(sup, lambda: sup.deployment.batch == 8, 30, "B to follow eight clients")
+        d = DispatcherState.load(r, settings.keys.dispatcher("sleep"))
+        assert d.adaptive and d.q_tilde is not None and d.q_tilde > 5
+        # Steady load: no further reconfiguration.
+        steady = len(history(r, settings, "sleep"))
+        t_end = time.monotonic() + 4
+        while time.monotonic() < t_end:
+            sup.check()
+            time.sleep(0.05)
+        assert len(history(r, settings, "sleep")) == steady
+    supervise_until(sup, lambda: sup.deployment.batch == 1, 30, "B back to 1 when idle")
+    reasons = [e["origin"] for e in history(r, settings, "sleep")]
+    assert set(reasons) == {"estimator"}
+    assert_exactly_once(load, r, settings)
