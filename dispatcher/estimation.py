@@ -195,21 +195,25 @@ class Policy:
 
     def _triggered(self, current: int, b_tilde: int, q_tilde: float | None,
                    predicted_ms: float | None) -> Decision | None:
+        """The design's other triggers: they move to B̃ before the dwell is over, never elsewhere.
+
+        Each needs the estimate on its side: batch-aggregation timeouts on most
+        batches say B is too large only when B̃ < B too (a closed loop whose
+        clients resend a little late cuts batches short at any B), and a large
+        queueing delay says B is too small only when B̃ > B.
+        """
         s = self.settings
+        if b_tilde == current:
+            return None
         batches = list(self._batches)
         if len(batches) < s.min_trigger_batches:
             return None
-        timed_out = [b for b in batches if b.timed_out]
-        if current > s.min_batch and len(timed_out) >= s.timeout_fraction * len(batches):
-            # What arrives within the timeout, rounded down; never more than the estimate.
-            arriving = floor_pow2(statistics.median(b.size for b in timed_out))
-            target = max(s.min_batch, min(arriving, max(1, current // 2)))
-            if target < current:
-                return Decision(target, "timeouts", current, q_tilde)
-        if predicted_ms and current < s.max_batch:
+        if b_tilde < current:
+            timed_out = sum(b.timed_out for b in batches)
+            if timed_out >= s.timeout_fraction * len(batches):
+                return Decision(b_tilde, "timeouts", current, q_tilde)
+        elif predicted_ms:
             delay = statistics.median(b.queue_ms for b in batches)
             if delay > s.queue_delay_factor * predicted_ms:
-                target = min(s.max_batch, max(b_tilde, current * 2))
-                if target > current:
-                    return Decision(target, "queue delay", current, q_tilde)
+                return Decision(b_tilde, "queue delay", current, q_tilde)
         return None

@@ -140,28 +140,39 @@ def test_damping_is_forgotten_after_a_steady_period() -> None:
     assert policy.timeout_s == 1.0
 
 
-def test_timeouts_trigger_a_smaller_batch_before_the_estimate_does() -> None:
+def test_timeouts_move_to_a_smaller_estimate_before_the_dwell_is_over() -> None:
     policy = Policy()
     policy.changed(0.0, 4, 32)
-    # Batches of 3-5 cut by the timeout, 20 in the last second, while B̃ still says 32.
     t = 5.0
-    for k in range(20):
+    for k in range(20):  # batches of 3-5 cut by the timeout, 20 in the last second
         t += 0.05
         policy.record_batch(t, 3 + k % 3, True, 5.0)
-    d = policy.decide(t, 32, 32)
+    assert policy.decide(t, 32, 32) is None  # the estimate still says 32: no reason to go
+    d = policy.decide(t + 0.01, 32, 4)  # B̃ just fell to 4: no 1 s dwell needed
     assert d is not None and d.reason == "timeouts" and d.batch == 4
 
 
-def test_queue_delay_triggers_a_larger_batch() -> None:
+def test_batches_cut_short_without_a_smaller_estimate_do_not_trigger() -> None:
+    """A closed loop of 8 at B=8: clients resend a little late, so batches are cut by the timeout."""
+    policy = Policy()
+    policy.changed(0.0, 1, 8)
+    t = 5.0
+    for k in range(20):
+        t += 0.05
+        policy.record_batch(t, 3 + k % 4, True, 5.0)
+    assert policy.decide(t, 8, 8) is None
+
+
+def test_queue_delay_moves_to_a_larger_estimate_early() -> None:
     policy = Policy()
     policy.changed(0.0, 4, 2)
     t = 5.0
     for _ in range(10):
         t += 0.05
         policy.record_batch(t, 2, False, 400.0)
-    assert policy.decide(t, 2, 2, predicted_ms=None) is None  # no prediction: no yardstick
-    d = policy.decide(t, 2, 2, predicted_ms=100.0)
-    assert d is not None and d.reason == "queue delay" and d.batch == 4
+    assert policy.decide(t, 2, 8, predicted_ms=None) is None  # no prediction: no yardstick
+    d = policy.decide(t + 0.01, 2, 8, predicted_ms=100.0)
+    assert d is not None and d.reason == "queue delay" and d.batch == 8
 
 
 def test_nothing_within_a_timeout_of_the_last_change() -> None:

@@ -279,7 +279,8 @@ def test_the_estimator_moves_b_with_the_load(make: MakeSupervisor, r: redis.Redi
     sup = make("sleep", "1x1", adaptive=True, threads_budget=1)
     sup.start(ready_timeout=60)
     with Load(redis_url, prefix, "sleep", clients=8, payload={"sleep_ms": 30}) as load:
-        supervise_until(sup, lambda: sup.deployment.batch == 8, 30, "B to follow eight clients")
+        supervise_until(sup, lambda: sup.deployment.batch == 8 and sup.change is None, 30,
+                        "B to follow eight clients")
         d = DispatcherState.load(r, settings.keys.dispatcher("sleep"))
         assert d.adaptive and d.q_tilde is not None and d.q_tilde > 5
         # Steady load: no further reconfiguration.

@@ -48,6 +48,10 @@ from workers.worker import WorkerSpec
 log = logging.getLogger("packrat_mq.supervisor")
 
 
+#: How often supervision checks while a reconfiguration is in progress (its phases are short).
+CHANGE_POLL_S = 0.02
+
+
 def restart_policy() -> Backoff:
     """The one restart policy: at once, then 1 s doubling to 30 s; forgotten after 30 s healthy."""
     return Backoff(base=1.0, factor=2.0, cap=30.0, healthy_s=30.0, first_immediate=True)
@@ -491,10 +495,14 @@ class Supervisor:
                       ttl_s=self.settings.reply_ttl_s)
         replies.execute(pipe, f"supervisor of {self.model}")
 
-    def poll_control(self, count: int = 10) -> int:
-        """Read the control stream (never blocking) and act on this model's messages; returns how many were read."""
+    def poll_control(self, count: int = 10, block_ms: int | None = None) -> int:
+        """Read the control stream and act on this model's messages; returns how many were read.
+
+        Never blocks unless ``block_ms`` is given (the idle supervision loop waits there).
+        """
         try:
-            resp = self.r.xreadgroup(self.control_group, self.node, {self.keys.control(): ">"}, count=count)
+            resp = self.r.xreadgroup(self.control_group, self.node, {self.keys.control(): ">"}, count=count,
+                                     block=block_ms)
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
@@ -628,19 +636,30 @@ class Supervisor:
                     log.warning("parent (pid %d) is gone; stopping", self.parent_pid)
                     break
                 wait = poll_s
+                healthy = True
                 try:
                     self.check()
                     self._loop_backoff.success()
                 except Exception as exc:  # noqa: BLE001 - supervision must outlive any one failure
+                    healthy = False
                     self.loop_errors += 1
                     wait = max(poll_s, self._loop_backoff.failure())
                     if isinstance(exc, redis.RedisError):
                         log.warning("supervisor: redis error (%s); checking again in %.1f s", exc, wait)
                     else:
                         log.exception("supervisor check failed; checking again in %.1f s", wait)
+                if healthy and self.change is not None:
+                    wait = min(wait, CHANGE_POLL_S)  # a reconfiguration's phases move on quickly
+                elif healthy and not stopping:
+                    # Idle: wait on the control stream itself, so a reconfiguration begins at once.
+                    try:
+                        self.poll_control(block_ms=max(1, int(wait * 1000)))
+                        continue
+                    except Exception as exc:  # noqa: BLE001 - the next check reports and backs off
+                        log.debug("control stream read failed: %s", exc)
                 end = time.monotonic() + wait
                 while not stopping and time.monotonic() < end:
-                    time.sleep(min(poll_s, 0.1))
+                    time.sleep(min(wait, 0.1))
         finally:
             signal.signal(signal.SIGINT, old_int)
             signal.signal(signal.SIGTERM, old_term)

@@ -47,6 +47,9 @@ log = logging.getLogger("packrat_mq.worker")
 
 #: Cap on the dispatcher's wake-up list; tokens only say "look again".
 WAKEUP_CAP = 64
+#: How long an idle worker blocks on its queue: also how long it may take to notice SIGTERM
+#: (a reconfiguration waits for retired instances to exit). Four reads a second cost nothing.
+READ_BLOCK_MS = 250
 
 
 class WorkerSpec(RuntimeSpec):
@@ -120,7 +123,7 @@ class Worker:
                 log.debug("heartbeat failed: %s", exc)
 
     # --- loop -------------------------------------------------------------
-    def read(self, block_ms: int = 1000) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    def read(self, block_ms: int = READ_BLOCK_MS) -> list[tuple[bytes, dict[bytes, bytes]]]:
         if self._recovering:
             resp = self.r.xreadgroup(WORKER_GROUP, self.spec.instance_id, {self.queue: "0"}, count=1)
             entries = resp[0][1] if resp else []
@@ -151,7 +154,7 @@ class Worker:
         except redis.RedisError as exc:
             log.warning("could not record the stop: %s", exc)
 
-    def run_once(self, block_ms: int = 1000) -> int:
+    def run_once(self, block_ms: int = READ_BLOCK_MS) -> int:
         """Read and serve what is there (at most one sub-batch); returns how many were served.
 
         Heartbeats are the heartbeat thread's (see :meth:`run`), not this loop's.

@@ -61,6 +61,8 @@ _COMMANDS = [
     ("packrat_mq.cli.serve", "pool"),
     ("packrat_mq.cli.submit", "submit"),
     ("packrat_mq.cli.status", "status"),
+    ("packrat_mq.cli.reconfigure", "reconfigure"),
+    ("packrat_mq.cli.reconfigure", "models"),
     ("packrat_mq.cli.optimize_cmd", "optimize"),
     ("packrat_mq.cli.profile_cmd", "profile"),
 ]

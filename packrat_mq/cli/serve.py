@@ -36,6 +36,10 @@ class ServePlan:
     graph: bool
     #: Stop (in order) when the program that started this one dies.
     exit_with_parent: bool = False
+    #: The dispatcher's estimator chooses B from the load (no --batch, or --adaptive).
+    adaptive: bool = False
+    #: T: the cores the optimizer plans with, now and at every reconfiguration.
+    threads: int | None = None
 
 
 def model_and_handler(model: str, name: str | None) -> tuple[str, str]:
@@ -102,7 +106,10 @@ def serving_options(func: Callable[..., Any]) -> Callable[..., Any]:
     @click.option("--threads", "-t", type=click.IntRange(min=1), default=None,
                   help="Threads T for the optimizer (default: cores of one socket).")
     @click.option("--batch", "-b", type=click.IntRange(min=1), default=None,
-                  help="Aggregated batch B for the optimizer (default 1).")
+                  help="Aggregated batch B for the optimizer; pins B. Without it (and without --instances) "
+                       "B is adaptive: estimated from the load, starting at 1.")
+    @click.option("--adaptive", is_flag=True, default=False,
+                  help="Estimate B from the load even with --batch/--instances (they give the starting point).")
     @click.option("--profile", default=None,
                   help="Profile JSON (default: profiles/<model>.json, profiles/<model>.graph.json with --graph).")
     @click.option("--graph/--eager", default=False, show_default=True, help="TorchScript trace + freeze, or eager.")
@@ -116,12 +123,13 @@ def serving_options(func: Callable[..., Any]) -> Callable[..., Any]:
                        "a process manager); env PACKRAT_EXIT_WITH_PARENT=1.")
     @functools.wraps(func)
     def wrapper(*args: Any, model: str, instances: str | None, threads: int | None, batch: int | None,
-                profile: str | None, graph: bool, option_pairs: tuple[str, ...], node: str | None,
-                name: str | None, exit_with_parent: bool, **kwargs: Any) -> Any:
+                adaptive: bool, profile: str | None, graph: bool, option_pairs: tuple[str, ...],
+                node: str | None, name: str | None, exit_with_parent: bool, **kwargs: Any) -> Any:
         served, handler = model_and_handler(model, name)
         config, profile_path = choose_configuration(served, instances, threads, batch, profile, graph, handler)
+        adaptive = adaptive or (batch is None and instances is None)
         plan = ServePlan(served, handler, config, profile_path, parse_handler_options(option_pairs), node, graph,
-                         exit_with_parent)
+                         exit_with_parent, adaptive=adaptive, threads=threads)
         return func(*args, plan=plan, **kwargs)
 
     return wrapper
@@ -132,12 +140,15 @@ def _run(settings: Settings, url: str, plan: ServePlan, *, with_dispatcher: bool
     config = plan.configuration
     try:
         service = Supervisor(connect(url), settings, url, plan.model, config, handler=plan.handler,
-                          options=plan.options, profile=plan.profile_path, node=plan.node,
-                          with_dispatcher=with_dispatcher, exit_with_parent=plan.exit_with_parent)
+                             options=plan.options, profile=plan.profile_path, node=plan.node,
+                             with_dispatcher=with_dispatcher, exit_with_parent=plan.exit_with_parent,
+                             adaptive=plan.adaptive, threads_budget=plan.threads)
     except AllocationError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"starting {plan.model}: {config} (B={config.batch}, {config.threads} threads"
-               + (f", predicted {config.predicted_latency_ms:.2f} ms" if config.predicted_latency_ms else "") + ")")
+               + (f", predicted {config.predicted_latency_ms:.2f} ms" if config.predicted_latency_ms else "")
+               + (f"; adaptive: B follows the load, {settings.adaptive_min_batch}..{settings.adaptive_max_batch}, "
+                  f"planned for T={service.threads_budget}" if plan.adaptive else "; B pinned") + ")")
     service.start()
     for inst in service.instances:
         pid = inst.child.process.pid if inst.child.process else "-"
@@ -163,8 +174,10 @@ def up(settings: Settings, plan: ServePlan, batch_timeout_ms: float | None) -> N
 
     \b
     Examples:
-      packrat-mq up --model echo --instances 1x4,1x4
-      packrat-mq up --model resnet50 --threads 16 --batch 32      # optimizer picks
+      packrat-mq up --model echo --instances 1x4,1x4               # by hand, B pinned at 8
+      packrat-mq up --model resnet50                               # adaptive: B follows the load from 1
+      packrat-mq up --model resnet50 --threads 16 --batch 32      # optimizer picks, B pinned
+      packrat-mq up --model resnet50 --batch 8 --adaptive         # adaptive, starting at B=8
       packrat-mq up --model minilm -i 2*1x4 --redis-url redis://localhost:6379/0
     """
     logs.configure(settings, "up")

@@ -14,6 +14,7 @@ import click
 import redis
 
 from packrat_mq.cli.helpers import connect_or_fail, echo_json, redis_options
+from packrat_mq.cli.reconfigure import describe_change
 from packrat_mq.connection import redact
 from packrat_mq.deployment import Deployment
 from packrat_mq.keys import DISPATCHER_GROUP, Keys
@@ -56,16 +57,24 @@ def collect_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
         }
         d = DispatcherState.load(r, keys.dispatcher(model))
         entry["dispatcher"] = {**_process(d, now), "batches": d.batches if d else 0,
-                               "max_backlog": d.max_backlog if d else None}
+                               "max_backlog": d.max_backlog if d else None,
+                               "generation": d.generation if d else None}
+        entry["adaptive"] = deployment.adaptive if deployment else False
+        entry["estimate"] = {"q_tilde": d.q_tilde if d else None, "b_tilde": d.b_tilde if d else None,
+                             "requested_batch": d.requested_batch if d else None}
+        entry["reconfigurations"] = [json.loads(x) for x in r.lrange(keys.reconfigurations(model), 0, 9)]
+        entry["reconfiguring"] = None
         if d is None:
             entry["dispatcher"]["state"] = "none"
+        shares = {i.id: i.batch for i in deployment.instances} if deployment else {}
         for iid in sorted(i.decode() for i in r.smembers(keys.instances(model))):
             h = InstanceState.load(r, keys.instance(model, iid))
             entry["instances"].append({
                 "id": iid,
                 **_process(h, now),
                 "threads": h.threads if h else 0,
-                "batch": h.batch if h else 0,
+                # The deployment's share: a reshare changes it without restarting the instance.
+                "batch": shares.get(iid, h.batch if h else 0),
                 "cpus": ",".join(map(str, h.cpus)) if h else "",
                 "socket": h.socket if h else 0,
                 "queue": r.xlen(keys.queue(model, iid)),
@@ -79,7 +88,11 @@ def collect_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
                 "generation": sup.generation if sup else None,
                 "instances": sup.instances if sup else [],
                 "with_dispatcher": sup.with_dispatcher if sup else None,
+                "phase": (sup.phase or None) if sup else None,
+                "target": (sup.target or None) if sup else None,
             })
+            if sup is not None and sup.phase:
+                entry["reconfiguring"] = {"node": node, "phase": sup.phase, "to": sup.target}
         out["models"].append(entry)
     return out
 
@@ -108,6 +121,14 @@ def render(doc: dict[str, Any], prefix: str) -> str:
                      + (f" of at most {bound}" if bound else "") + f", in flight {m['in_flight']}, "
                      + ", ".join(f"{k} {v}" for k, v in sorted(m["stats"].items()))
                      + (f"; {rates['requests_per_s']:.1f} req/s, {rates['replies_per_s']:.1f} replies/s" if rates else ""))
+        est = m.get("estimate") or {}
+        q = est.get("q_tilde")
+        lines.append(f"  {'batch size':<24} " + ("adaptive" if m.get("adaptive") else "pinned")
+                     + f", B={m['batch']}, Q̃={q if q is not None else '-'}, B̃={est.get('b_tilde') or '-'}"
+                     + (f", asked for B={est['requested_batch']}" if est.get("requested_batch") else ""))
+        if m.get("reconfiguring"):
+            rc = m["reconfiguring"]
+            lines.append(f"  {'reconfiguring':<24} to {rc['to']} on {rc['node']}: {rc['phase']}")
         d = m["dispatcher"]
         lines.append(f"  {'dispatcher':<24} {d['state']:<10} pid {d['pid'] or '-':<7} batches {d['batches']}  "
                      f"restarts {d['restarts']}  " + _troubles(d) +
@@ -121,6 +142,11 @@ def render(doc: dict[str, Any], prefix: str) -> str:
             lines.append(f"  {i['id']:<24} {i['state']:<10} pid {i['pid'] or '-':<7} {i['threads']}x{i['batch']:<4} "
                          f"cpus {i['cpus']:<10} queue {i['queue']}  batches {i['batches']}  restarts {i['restarts']}  "
                          + _troubles(i) + f"heartbeat {age if age is not None else '-'} s ago")
+        if m.get("reconfigurations"):
+            lines.append("  last reconfigurations (newest first):")
+            for e in m["reconfigurations"]:
+                when = time.strftime("%H:%M:%S", time.localtime(e["decided"])) if e.get("decided") else "-"
+                lines.append(f"    {when} {describe_change(m['model'], e)}")
     return "\n".join(lines)
 
 
