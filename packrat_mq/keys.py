@@ -87,7 +87,7 @@ class Keys:
 
     def control(self) -> str:
         """Stream of control messages (reconfigure a model); see docs/protocol.md."""
-        return self._key("control")
+        return f"{self.prefix}:control"
 
     def reconfigurations(self, model: str) -> str:
         """List of a model's last reconfigurations (JSON, newest first, at most 10)."""

@@ -1,0 +1,457 @@
+"""Adaptive batching against static choices, under one load trace (issue 9's benchmark).
+
+Each setup is served by a real ``packrat-mq up`` process (its own prefix on one
+private embedded Redis) and driven by the same open-loop trace (Poisson
+arrivals at a rate that changes over time):
+
+- ``idle``: a trickle (a quarter of what B=1 can serve);
+- ``step``: a step up to saturation (90% of what B=32 can serve);
+- ``ramp``: a ramp back down to the trickle;
+- ``diurnal``: rates whose ideal batch sizes are 8, 16, 32, 16 and 8.
+
+The setups: ``adaptive`` (``up`` without ``--batch``: the estimator chooses B
+from B=1), ``static-1`` (``--batch 1``) and ``static-32`` (``--batch 32``),
+with the same batch wait (50 ms, as the peers benchmark). Rates come from the
+model's profile: the capacity of batch B is ``B / L(B)``, with ``L(B)`` the
+optimizer's predicted latency for (T, B), and the rate "whose ideal batch is
+B" lies between the capacities of B/2 and B.
+
+Recorded: every request's send and reply time (so lost and duplicated
+replies show), the dispatcher's B, Q̃ and the backlog every 100 ms, and the
+model's reconfiguration history. Reported: p50/p99 per phase, the mean over
+the whole trace, p50/p99 in the 5 s around each switch, each reconfiguration
+with when and how long, and the issue's targets.
+
+Run:
+  python -m benchmarks.bench_adaptive --model resnet50 --graph
+  python -m benchmarks.bench_adaptive --model profiled --simulate-cores 16 --profile profiles/sim/resnet50-16core.json
+Writes ``benchmarks/results/adaptive-<name>.json`` and ``.png``; ``--report FILE`` prints a finished run's tables.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("PACKRAT_LOG_LEVEL", "WARNING")
+
+from optimizer.calibration import example_payloads  # noqa: E402
+from optimizer.planning.profile import Profile, resolve_profile_path  # noqa: E402
+from optimizer.planning.selection import choose  # noqa: E402
+from packrat_mq import protocol  # noqa: E402
+from packrat_mq.connection import EmbeddedRedis, connect  # noqa: E402
+from packrat_mq.keys import Keys  # noqa: E402
+from packrat_mq.records import DispatcherState  # noqa: E402
+from packrat_mq.topology import Topology  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BATCH_WAIT_MS = 50.0
+
+
+@dataclass
+class Phase:
+    name: str
+    seconds: float
+    rate_from: float
+    rate_to: float
+
+    def rate(self, t: float) -> float:
+        """Requests per second ``t`` seconds into the phase (linear from ``rate_from`` to ``rate_to``)."""
+        return self.rate_from + (self.rate_to - self.rate_from) * min(1.0, t / self.seconds)
+
+
+def capacities(model: str, threads: int, profile: str | None, graph: bool, scale: float) -> dict[int, float]:
+    """Requests per second each power-of-two B can serve, from the optimizer's predicted latency."""
+    caps = {}
+    for b in (1, 2, 4, 8, 16, 32):
+        choice = choose(model, threads, b, profile, graph=graph)
+        loaded = Profile.load(choice.profile_path) if choice.profile_path else None
+        predicted = choice.configuration.predicted_latency_ms
+        path = (loaded.path_cost_ms(b) or 0.0) if loaded else 0.0
+        if predicted is None:
+            raise SystemExit(f"no profile for {model}: the trace's rates come from one")
+        caps[b] = b / ((predicted * scale + path) / 1000.0)
+    return caps
+
+
+def trace(caps: dict[int, float], unit_s: float) -> list[Phase]:
+    """The issue's trace, with rates from the capacities (``unit_s``: length of one diurnal step)."""
+    def ideal(b: int) -> float:
+        # Between what B/2 and B can take: B is the smallest batch that keeps up, with room.
+        low = caps.get(b // 2, 0.0)
+        return max(low * 1.15, 0.75 * caps[b]) if low < 0.75 * caps[b] else (low + caps[b]) / 2
+
+    trickle = 0.25 * caps[1]
+    peak = 0.9 * caps[32]
+    phases = [Phase("idle", 2 * unit_s, trickle, trickle), Phase("step", 2 * unit_s, peak, peak),
+              Phase("ramp", 2 * unit_s, peak, trickle)]
+    for k, b in enumerate((8, 16, 32, 16, 8)):
+        phases.append(Phase(f"diurnal-{k + 1} (B={b})", unit_s, ideal(b), ideal(b)))
+    return phases
+
+
+class Driver:
+    """Open-loop Poisson producer and a reply reader for one setup."""
+
+    def __init__(self, url: str, prefix: str, model: str, payloads: list[tuple[bytes, str]], seed: int) -> None:
+        self.r = connect(url)
+        self.reader_r = connect(url)
+        self.keys = Keys(prefix)
+        self.model = model
+        self.payloads = payloads
+        self.reply_to = self.keys.replies(f"bench-{uuid.uuid4().hex[:8]}")
+        self.rng = random.Random(seed)
+        self.sent: dict[str, tuple[float, str]] = {}
+        self.replies: dict[str, list[dict[str, Any]]] = {}
+        self._stop = threading.Event()
+
+    def read_replies(self) -> None:
+        last = "0"
+        while not self._stop.is_set() or len(self.replies) < len(self.sent):
+            resp = self.reader_r.xread({self.reply_to: last}, count=1000, block=200)
+            if not resp:
+                if self._stop.is_set() and time.monotonic() > self._drain_deadline:
+                    return
+                continue
+            now = time.time()
+            entries = resp[0][1]
+            for eid, f in entries:
+                rid = f[b"id"].decode()
+                self.replies.setdefault(rid, []).append({
+                    "at": now, "ok": f[b"status"] == b"ok",
+                    "inference_ms": float(f.get(b"inference_ms") or 0), "batch_size": int(f.get(b"batch_size") or 0),
+                    "queue_ms": float(f.get(b"queue_ms") or 0)})
+            last = entries[-1][0]
+            self.reader_r.xdel(self.reply_to, *(e for e, _ in entries))
+
+    def run(self, phases: list[Phase]) -> None:
+        self._drain_deadline = math.inf
+        reader = threading.Thread(target=self.read_replies, daemon=True)
+        reader.start()
+        start = time.monotonic()
+        t0 = time.time()
+        k = 0
+        for phase in phases:
+            began = time.monotonic()
+            nxt = began
+            while True:
+                elapsed = nxt - began
+                if elapsed >= phase.seconds:
+                    break
+                rate = max(phase.rate(elapsed), 0.05)
+                nxt += self.rng.expovariate(rate)
+                delay = nxt - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                if nxt - began >= phase.seconds:
+                    break
+                payload, ctype = self.payloads[k % len(self.payloads)]
+                rid = f"r{k}"
+                k += 1
+                self.sent[rid] = (time.time(), phase.name)
+                self.r.xadd(self.keys.requests(self.model), protocol.request_fields(rid, self.reply_to, payload, ctype))
+        self._drain_deadline = time.monotonic() + 60
+        self._stop.set()
+        reader.join(70)
+        self.elapsed_s = time.monotonic() - start
+        self.t0 = t0
+
+
+class Monitor(threading.Thread):
+    """B, Q̃, B̃ and the backlog every 100 ms."""
+
+    def __init__(self, url: str, prefix: str, model: str) -> None:
+        super().__init__(daemon=True)
+        self.r = connect(url)
+        self.keys = Keys(prefix)
+        self.model = model
+        self.samples: list[dict[str, Any]] = []
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop_event.wait(0.1):
+            try:
+                d = DispatcherState.load(self.r, self.keys.dispatcher(self.model))
+                length = self.r.xlen(self.keys.requests(self.model))
+            except Exception:  # noqa: BLE001 - a missed sample is a gap in the plot
+                continue
+            self.samples.append({"at": time.time(), "batch": d.batch if d else None,
+                                 "q_tilde": d.q_tilde if d else None, "b_tilde": d.b_tilde if d else None,
+                                 "length": length})
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def run_setup(name: str, args: argparse.Namespace, url: str, phases: list[Phase],
+              payloads: list[tuple[bytes, str]]) -> dict[str, Any]:
+    prefix = f"bench-{name}-{uuid.uuid4().hex[:6]}"
+    cmd = [sys.executable, "-m", "packrat_mq", "up", "--model", args.model, "--redis-url", url, "--prefix", prefix,
+           "--batch-timeout-ms", str(BATCH_WAIT_MS), "--threads", str(args.threads), "--exit-with-parent"]
+    if args.graph:
+        cmd.append("--graph")
+    if args.profile:
+        cmd += ["--profile", args.profile]
+    if args.simulate_cores:
+        cmd += ["--simulate-cores", str(args.simulate_cores)]
+    for opt in args.option:
+        cmd += ["-o", opt]
+    if name == "static-1":
+        cmd += ["--batch", "1"]
+    elif name == "static-32":
+        cmd += ["--batch", "32"]
+    env = dict(os.environ, PACKRAT_LOG_LEVEL="WARNING")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    lines: list[str] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line.rstrip())
+        if line.startswith("ready:"):
+            break
+    else:
+        raise SystemExit(f"{name}: up did not start:\n" + "\n".join(lines))
+    out_thread = threading.Thread(target=lambda: [lines.append(x.rstrip()) for x in proc.stdout], daemon=True)  # type: ignore[union-attr]
+    out_thread.start()
+    print(f"[{name}] serving: {lines[-2] if len(lines) > 1 else ''}", flush=True)
+    monitor = Monitor(url, prefix, args.model)
+    monitor.start()
+    driver = Driver(url, prefix, args.model, payloads, seed=args.seed)
+    try:
+        driver.run(phases)
+    finally:
+        monitor.stop_event.set()
+        r = connect(url)
+        history = [json.loads(x) for x in r.lrange(Keys(prefix).reconfigurations(args.model), 0, -1)][::-1]
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return analyse(name, driver, monitor.samples, history, phases, lines)
+
+
+def analyse(name: str, driver: Driver, samples: list[dict[str, Any]], history: list[dict[str, Any]],
+            phases: list[Phase], log: list[str]) -> dict[str, Any]:
+    latencies: list[tuple[float, float, str, dict[str, Any]]] = []  # (sent, ms, phase, reply)
+    duplicated = 0
+    failed = 0
+    for rid, (sent, phase) in driver.sent.items():
+        got = driver.replies.get(rid)
+        if not got:
+            continue
+        duplicated += len(got) - 1
+        failed += not got[0]["ok"]
+        latencies.append((sent, (got[0]["at"] - sent) * 1000.0, phase, got[0]))
+    lost = sum(1 for rid in driver.sent if rid not in driver.replies)
+    by_phase: dict[str, dict[str, Any]] = {}
+    for phase in phases:
+        ms = [x[1] for x in latencies if x[2] == phase.name]
+        inf = [x[3]["inference_ms"] for x in latencies if x[2] == phase.name and x[3]["batch_size"] == 1]
+        by_phase[phase.name] = {"requests": len(ms), "p50_ms": percentile(ms, 50), "p99_ms": percentile(ms, 99),
+                                "mean_ms": statistics.fmean(ms) if ms else None,
+                                "inference_ms_b1_p50": percentile(inf, 50),
+                                "rate_per_s": round((phase.rate_from + phase.rate_to) / 2, 2)}
+    switches = []
+    for e in history:
+        at = e.get("switched") or e.get("decided")
+        window = [x[1] for x in latencies if at is not None and abs(x[0] - at) <= 2.5]
+        switches.append({**{k: e.get(k) for k in ("reason", "kind", "from", "to", "from_batch", "to_batch",
+                                                   "decision_to_ready_s", "ready_to_switch_s", "switch_to_drained_s",
+                                                   "total_s", "oversubscribed_s", "status")},
+                         "at_s": round(at - driver.t0, 2) if at else None,
+                         "p50_ms_5s": percentile(window, 50), "p99_ms_5s": percentile(window, 99)})
+    all_ms = [x[1] for x in latencies]
+    return {
+        "setup": name,
+        "sent": len(driver.sent), "received": len(latencies), "lost": lost, "duplicated": duplicated,
+        "errors": failed,
+        "mean_ms": statistics.fmean(all_ms) if all_ms else None,
+        "p50_ms": percentile(all_ms, 50), "p99_ms": percentile(all_ms, 99),
+        "phases": by_phase, "reconfigurations": switches,
+        "timeline": [{"t": round(s["at"] - driver.t0, 2), **{k: s[k] for k in ("batch", "q_tilde", "length")}}
+                     for s in samples],
+        "latencies": [(round(x[0] - driver.t0, 3), round(x[1], 2)) for x in latencies],
+        "up_log_tail": log[-15:],
+    }
+
+
+def targets(results: dict[str, Any]) -> list[str]:
+    """The issue's targets, checked on one run."""
+    out = []
+    setups = results["setups"]
+    a = setups.get("adaptive")
+    statics = {k: v for k, v in setups.items() if k != "adaptive"}
+    if not a:
+        return out
+    out.append(f"lost {sum(s['lost'] for s in setups.values())}, duplicated {sum(s['duplicated'] for s in setups.values())} "
+               "(target 0 and 0)")
+    best_static = min((s["mean_ms"] for s in statics.values() if s["mean_ms"]), default=None)
+    if best_static:
+        out.append(f"whole-trace mean: adaptive {a['mean_ms']:.1f} ms vs best static {best_static:.1f} ms "
+                   f"({a['mean_ms'] / best_static:.2f}x; target below every static)")
+    for phase, row in a["phases"].items():
+        best = min((s["phases"][phase]["p50_ms"] for s in statics.values() if s["phases"][phase]["p50_ms"]), default=None)
+        if best and row["p50_ms"]:
+            out.append(f"{phase}: adaptive p50 {row['p50_ms']:.1f} ms, best static {best:.1f} ms "
+                       f"({row['p50_ms'] / best:.2f}x; target <= 1.10x)")
+    idle = a["phases"].get("idle")
+    if idle and idle["p50_ms"] and idle["inference_ms_b1_p50"]:
+        out.append(f"idle: p50 {idle['p50_ms']:.1f} ms vs inference_ms at B=1 {idle['inference_ms_b1_p50']:.1f} ms "
+                   f"(+{idle['p50_ms'] - idle['inference_ms_b1_p50']:.1f} ms; target <= 3 ms)")
+    steady = [p for p in a["phases"] if p.startswith("diurnal") or p in ("idle", "step")]
+    out.append(f"adaptive reconfigurations: {len(a['reconfigurations'])} over the trace")
+    del steady
+    return out
+
+
+def markdown(results: dict[str, Any]) -> str:
+    setups = results["setups"]
+    phases = list(next(iter(setups.values()))["phases"])
+    lines = ["| phase | rate (req/s) | " + " | ".join(f"{s} p50 / p99 ms" for s in setups) + " |",
+             "|---|---|" + "---|" * len(setups)]
+    for phase in phases:
+        rate = next(iter(setups.values()))["phases"][phase]["rate_per_s"]
+        cells = []
+        for s in setups.values():
+            row = s["phases"][phase]
+            cells.append(f"{row['p50_ms']:.0f} / {row['p99_ms']:.0f}" if row["p50_ms"] is not None else "-")
+        lines.append(f"| {phase} | {rate} | " + " | ".join(cells) + " |")
+    lines.append("| whole trace (mean) | | " + " | ".join(
+        f"{s['mean_ms']:.0f} ms mean" if s["mean_ms"] else "-" for s in setups.values()) + " |")
+    lines.append("| sent / received / lost / duplicated | | " + " | ".join(
+        f"{s['sent']} / {s['received']} / {s['lost']} / {s['duplicated']}" for s in setups.values()) + " |")
+    a = setups.get("adaptive")
+    if a and a["reconfigurations"]:
+        lines += ["", "| at (s) | reason | B | kind | decision→ready | →switch | →drained | total | p50 / p99 in 5 s |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for e in a["reconfigurations"]:
+            def s_(k: str) -> str:
+                v = e.get(k)
+                return f"{v:.2f} s" if isinstance(v, (int, float)) else "-"
+            lines.append(f"| {e['at_s']} | {e['reason']} | {e['from_batch']}→{e['to_batch']} | {e['kind']} | "
+                         f"{s_('decision_to_ready_s')} | {s_('ready_to_switch_s')} | {s_('switch_to_drained_s')} | "
+                         f"{s_('total_s')} | {e['p50_ms_5s'] or 0:.0f} / {e['p99_ms_5s'] or 0:.0f} ms |")
+    lines += [""] + [f"- {t}" for t in targets(results)]
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return
+    setups = results["setups"]
+    fig = Figure(figsize=(11, 8))
+    FigureCanvasAgg(fig)
+    ax1, ax2, ax3 = fig.subplots(3, 1, sharex=True)
+    for name, s in setups.items():
+        pts = s["latencies"]
+        if pts:
+            ax1.scatter([p[0] for p in pts], [p[1] for p in pts], s=2, alpha=0.35, label=name)
+    ax1.set_yscale("log")
+    ax1.set_ylabel("latency (ms)")
+    ax1.legend(loc="upper right", markerscale=5)
+    a = setups.get("adaptive")
+    if a:
+        tl = a["timeline"]
+        ax2.step([x["t"] for x in tl], [x["batch"] or 0 for x in tl], where="post", label="B (adaptive)")
+        ax2.plot([x["t"] for x in tl], [x["q_tilde"] or 0 for x in tl], lw=0.8, label="Q̃")
+        ax2.set_ylabel("batch")
+        ax2.legend(loc="upper right")
+        ax3.plot([x["t"] for x in tl], [x["length"] for x in tl], lw=0.8, label="adaptive")
+        for e in a["reconfigurations"]:
+            if e["at_s"] is not None:
+                for ax in (ax1, ax2, ax3):
+                    ax.axvline(e["at_s"], color="grey", lw=0.6, ls="--")
+    for name, s in setups.items():
+        if name != "adaptive":
+            tl = s["timeline"]
+            ax3.plot([x["t"] for x in tl], [x["length"] for x in tl], lw=0.6, label=name)
+    ax3.set_yscale("symlog")
+    ax3.set_ylabel("request stream length")
+    ax3.set_xlabel("time (s); dashed: adaptive reconfigurations")
+    ax3.legend(loc="upper right")
+    t = 0.0
+    for phase in results["phases"]:
+        t += phase["seconds"]
+        for ax in (ax1, ax2, ax3):
+            ax.axvline(t, color="black", lw=0.4)
+    fig.suptitle(results["title"])
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="resnet50")
+    p.add_argument("--graph", action="store_true")
+    p.add_argument("--profile", default=None)
+    p.add_argument("--simulate-cores", type=int, default=None)
+    p.add_argument("--option", "-o", action="append", default=[])
+    p.add_argument("--threads", type=int, default=None, help="T (default: one socket, or the simulated cores)")
+    p.add_argument("--unit", type=float, default=15.0, help="seconds of one diurnal step; other phases take 2 units")
+    p.add_argument("--time-scale", type=float, default=1.0, help="the profiled model's time_scale (for the rates)")
+    p.add_argument("--setups", default="adaptive,static-1,static-32")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--name", default=None)
+    p.add_argument("--report", default=None, help="print the tables of a finished run's JSON")
+    args = p.parse_args(argv)
+    if args.report:
+        print(markdown(json.loads(Path(args.report).read_text())))
+        return 0
+    args.threads = args.threads or args.simulate_cores or Topology.detect().max_cores_per_socket
+    profile = args.profile
+    if args.model == "profiled" and profile and not any(o.startswith("profile=") for o in args.option):
+        args.option.append(f"profile={profile}")
+    if args.model == "profiled" and not any(o.startswith("time_scale=") for o in args.option):
+        args.option.append(f"time_scale={args.time_scale}")
+    caps = capacities(args.model, args.threads, profile, args.graph,
+                      args.time_scale if args.model == "profiled" else 1.0)
+    phases = trace(caps, args.unit)
+    payloads = example_payloads("sleep" if args.model == "profiled" else args.model, 8)
+    name = args.name or (f"{args.model}-{args.simulate_cores}sim" if args.simulate_cores else args.model)
+    print(f"capacities (req/s): {', '.join(f'B={b}: {c:.1f}' for b, c in caps.items())}", flush=True)
+    print("trace: " + "; ".join(f"{ph.name} {ph.seconds:g} s {ph.rate_from:.1f}->{ph.rate_to:.1f}/s" for ph in phases),
+          flush=True)
+    results: dict[str, Any] = {
+        "title": f"{name}: T={args.threads}, batch wait {BATCH_WAIT_MS:g} ms",
+        "model": args.model, "threads": args.threads, "simulate_cores": args.simulate_cores,
+        "profile": str(resolve_profile_path(profile or args.model, graph=args.graph)) if (profile or args.model) else None,
+        "capacities": caps, "phases": [ph.__dict__ for ph in phases], "setups": {},
+        "machine": Topology.detect().summary(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    with EmbeddedRedis(announce=False) as server:
+        for setup in args.setups.split(","):
+            results["setups"][setup] = run_setup(setup, args, server.url, phases, payloads)
+            s = results["setups"][setup]
+            print(f"[{setup}] sent {s['sent']}, received {s['received']}, lost {s['lost']}, duplicated "
+                  f"{s['duplicated']}, mean {s['mean_ms']:.1f} ms, reconfigurations {len(s['reconfigurations'])}",
+                  flush=True)
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"adaptive-{name}.json"
+    out.write_text(json.dumps(results, indent=1))
+    plot(results, RESULTS / f"adaptive-{name}.png")
+    print(markdown(results))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
