@@ -33,12 +33,16 @@ from packrat_mq.instances import Configuration, ConfigurationError
 from packrat_mq.keys import Keys, check_model_name
 
 #: What a control message may ask for.
-COMMANDS = ("reconfigure",)
+COMMANDS = ("reconfigure", "register", "unregister")
 #: The control stream keeps about this many messages (XADD MAXLEN ~).
 STREAM_MAXLEN = 1000
 #: Largest B a message may ask for (the optimizer decides whether it fits).
 MAX_BATCH = 1 << 16
-_FIELDS = ("id", "command", "model", "reply_to", "batch", "instances", "adaptive", "reason", "origin", "decided")
+_FIELDS = ("id", "command", "model", "reply_to", "batch", "instances", "adaptive", "reason", "origin", "decided",
+           "handler", "node", "threads")
+#: Longest handler spec (``module:Class``) and options document accepted.
+MAX_HANDLER_LEN = 300
+MAX_OPTIONS_LEN = 16_384
 
 
 class ControlError(ValueError):
@@ -70,6 +74,15 @@ class ControlMessage(BaseModel):
     decided: float | None = None
     #: The control stream's entry id.
     entry_id: str = ""
+    # --- register: what to serve, where ---------------------------------
+    #: Zoo name or ``module:Class``.
+    handler: str | None = None
+    #: The node whose pool serves it (``packrat-mq node --node NAME``).
+    node: str | None = None
+    #: T for the optimizer (default: the cores the node has free).
+    threads: int | None = Field(default=None, ge=1, le=4096)
+    #: Handler options (``-o key=value``), a JSON object on the wire.
+    options: dict[str, Any] = Field(default_factory=dict)
 
     @property
     def configuration(self) -> Configuration | None:
@@ -83,6 +96,8 @@ class ControlMessage(BaseModel):
             if value is None:
                 continue
             out[name] = str(int(value)) if isinstance(value, bool) else str(value)
+        if self.options:
+            out["options"] = json.dumps(self.options)
         return out
 
 
@@ -113,9 +128,22 @@ def parse(entry_id: bytes | str, fields: dict[bytes, bytes], prefix: str) -> Con
         model = check_model_name(text.get("model", ""))
     except ValueError as exc:
         raise fail(str(exc)) from None
+    node = text.get("node") or None
+    if node is not None:
+        try:
+            check_model_name(node)  # a node name is a key segment too
+        except ValueError:
+            raise fail(f"node name {node[:80]!r} must be 1-128 letters, digits, '.', '_' or '-'") from None
+    common = dict(id=message_id, command=command, model=model, reply_to=reply_to, node=node,
+                  reason=text.get("reason", "operator")[:200], origin=text.get("origin", "client")[:64],
+                  entry_id=eid)
+    if command == "unregister":
+        return ControlMessage(**common, decided=protocol.entry_ms(eid) / 1000.0)
     batch_text, instances = text.get("batch"), text.get("instances")
-    if (batch_text is None) == (instances is None):
+    if command == "reconfigure" and (batch_text is None) == (instances is None):
         raise fail("reconfigure needs exactly one of batch (the optimizer plans it) or instances (e.g. 2*1x4)")
+    if batch_text is not None and instances is not None:
+        raise fail("give batch (the optimizer plans it) or instances (e.g. 2*1x4), not both")
     batch = None
     if batch_text is not None:
         if not batch_text.isdigit() or not 1 <= int(batch_text) <= MAX_BATCH:
@@ -131,7 +159,7 @@ def parse(entry_id: bytes | str, fields: dict[bytes, bytes], prefix: str) -> Con
         if text["adaptive"] not in ("0", "1"):
             raise fail(f"adaptive must be 0 or 1, not {text['adaptive'][:40]!r}")
         adaptive = text["adaptive"] == "1"
-    if adaptive and instances is not None:
+    if adaptive and instances is not None and command == "reconfigure":
         raise fail("adaptive needs batch, not instances: the estimator changes B and the optimizer plans it")
     decided = None
     if "decided" in text:
@@ -139,10 +167,33 @@ def parse(entry_id: bytes | str, fields: dict[bytes, bytes], prefix: str) -> Con
             decided = float(text["decided"])
         except ValueError:
             raise fail(f"decided must be a time in seconds since the epoch, not {text['decided'][:40]!r}") from None
+    extra: dict[str, Any] = {}
+    if command == "register":
+        handler = text.get("handler", "")
+        if not handler or len(handler) > MAX_HANDLER_LEN:
+            raise fail(f"register needs handler: a zoo name or module:Class (at most {MAX_HANDLER_LEN} characters)")
+        extra["handler"] = handler
+        if node is None:
+            raise fail("register needs node: the node whose pool serves the model")
+        threads_text = text.get("threads")
+        if threads_text is not None:
+            if not threads_text.isdigit() or not 1 <= int(threads_text) <= 4096:
+                raise fail(f"threads must be an integer between 1 and 4096, not {threads_text[:40]!r}")
+            extra["threads"] = int(threads_text)
+        raw_options = text.get("options")
+        if raw_options is not None:
+            if len(raw_options) > MAX_OPTIONS_LEN:
+                raise fail(f"options must be at most {MAX_OPTIONS_LEN} characters of JSON")
+            try:
+                options = json.loads(raw_options)
+            except ValueError as exc:
+                raise fail(f"options are not JSON: {exc}") from None
+            if not isinstance(options, dict):
+                raise fail("options must be a JSON object")
+            extra["options"] = options
     return ControlMessage(
-        id=message_id, command=command, model=model, reply_to=reply_to, batch=batch, instances=instances,
-        adaptive=adaptive, reason=text.get("reason", "operator")[:200], origin=text.get("origin", "client")[:64],
-        decided=decided if decided is not None else protocol.entry_ms(eid) / 1000.0, entry_id=eid,
+        **common, batch=batch, instances=instances, adaptive=adaptive,
+        decided=decided if decided is not None else protocol.entry_ms(eid) / 1000.0, **extra,
     )
 
 
@@ -156,12 +207,12 @@ def new_id() -> str:
 
 
 def reply_fields(message_id: str, *, result: dict[str, Any] | None = None, error: str | None = None,
-                 model: str = "") -> dict[str, Any]:
+                 model: str = "", command: str = "reconfigure") -> dict[str, Any]:
     """A control reply: ``payload`` is the result as JSON; ``status`` error with ``error`` set."""
     if error is not None:
-        return protocol.error_reply(message_id, error, model=model, command="reconfigure")
+        return protocol.error_reply(message_id, error, model=model, command=command)
     return protocol.reply_fields(message_id, payload=json.dumps(result or {}).encode(), content_type=protocol.JSON,
-                                 model=model, command="reconfigure")
+                                 model=model, command=command)
 
 
 def wait_reply(r: redis.Redis, reply_to: str, message_id: str, timeout_s: float) -> dict[bytes, bytes] | None:

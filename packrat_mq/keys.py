@@ -39,6 +39,11 @@ def control_group(model: str, node: str) -> str:
     return f"supervisor:{model}:{node}"
 
 
+def node_group(node: str) -> str:
+    """The consumer group a node pool reads the control stream with (register, unregister)."""
+    return f"node:{node}"
+
+
 def request_owner(instance_id: str) -> str:
     """The consumer (in ``DISPATCHER_GROUP``) owning the requests fanned out to one instance.
 
@@ -89,6 +94,14 @@ class Keys:
         """Stream of control messages (reconfigure a model); see docs/protocol.md."""
         return f"{self.prefix}:control"
 
+    def registry(self) -> str:
+        """Hash of registered models: name -> JSON (handler, options, node, configuration)."""
+        return self._key("registry", "models")
+
+    def node(self, node: str) -> str:
+        """Hash describing one node pool (pid, the models it serves, its cores)."""
+        return self._key("node", node)
+
     def reconfigurations(self, model: str) -> str:
         """List of a model's last reconfigurations (JSON, newest first, at most 10)."""
         return self._key("reconfigurations", model)
@@ -125,6 +138,10 @@ class Keys:
     def instances(self, model: str) -> str:
         """Set of instance ids of one model."""
         return self._key("index", "instances", model)
+
+    def nodes(self) -> str:
+        """Set of the node pools (``packrat-mq node``) on this Redis."""
+        return self._key("index", "nodes")
 
     def supervisors(self, model: str) -> str:
         """Set of the nodes supervising instances of one model."""

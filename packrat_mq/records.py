@@ -220,3 +220,16 @@ def _split(text: str, item: type) -> list[Any]:
     if item is int:
         return [int(p) for p in parts if p.lstrip("-").isdigit()]
     return parts
+
+
+class NodeState(LiveRecord):
+    """A node pool serving registered models (``<prefix>:node:<node>``)."""
+
+    LISTS: ClassVar[dict[str, type]] = {"models": str, "free_cpus": int}
+
+    node: str = ""
+    #: The models it serves now.
+    models: list[str] = []
+    #: Physical cores it has and those no model holds.
+    cores: int = 0
+    free_cpus: list[int] = []

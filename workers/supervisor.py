@@ -528,8 +528,8 @@ class Supervisor:
                 replies.execute(pipe, f"supervisor of {self.model}")
             log.warning("control message %s refused: %s", entry_id.decode(), exc)
             return
-        if message.model != self.model:
-            return
+        if message.model != self.model or message.command != "reconfigure":
+            return  # another model's, or a node pool's (register, unregister)
         if message.origin == "estimator" and not self.adaptive:
             return  # a request made before the model was pinned
         if self.change is not None:

@@ -63,6 +63,7 @@ _COMMANDS = [
     ("packrat_mq.cli.status", "status"),
     ("packrat_mq.cli.reconfigure", "reconfigure"),
     ("packrat_mq.cli.reconfigure", "models"),
+    ("packrat_mq.cli.node_cmd", "node"),
     ("packrat_mq.cli.optimize_cmd", "optimize"),
     ("packrat_mq.cli.profile_cmd", "profile"),
 ]
