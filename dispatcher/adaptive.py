@@ -31,6 +31,9 @@ from packrat_mq.settings import Settings
 
 log = logging.getLogger("packrat_mq.dispatcher.adaptive")
 
+#: How much less often a pinned deployment's backlog is sampled (its estimate is only displayed).
+PINNED_SLOWDOWN = 20
+
 
 def estimator_settings(settings: Settings) -> EstimatorSettings:
     """The estimator's parameters from the process settings (``PACKRAT_ESTIMATOR_*`` and friends)."""
@@ -130,9 +133,10 @@ class Adaptive:
         log.info("model %s: asking for B=%d (%s)", self.model, decision.batch, reason)
 
     def _run(self) -> None:
-        period = self.config.sample_ms / 1000.0
         next_at = time.monotonic()
         while not self._stop.is_set():
+            # A pinned deployment's estimate is only shown (status): sampled 20x less often.
+            period = self.config.sample_ms / 1000.0 * (1 if self.adaptive else PINNED_SLOWDOWN)
             try:
                 self.sample()
             except redis.RedisError as exc:
