@@ -211,6 +211,7 @@ def _describe(exc: BaseException) -> str:
 ZOO: dict[str, str] = {
     "echo": "packrat_mq.zoo.testing:EchoHandler",
     "sleep": "packrat_mq.zoo.testing:SleepHandler",
+    "profiled": "packrat_mq.zoo.profiled:ProfiledHandler",
     "resnet50": "packrat_mq.zoo.vision:ResNet50Handler",
     "inception_v3": "packrat_mq.zoo.vision:InceptionV3Handler",
     "bert": "packrat_mq.zoo.language:BertHandler",

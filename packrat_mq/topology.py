@@ -15,6 +15,11 @@ only allowed CPUs are kept in it.
 Without sysfs (non-Linux, some sandboxes) the fallback is one socket in which
 every allowed CPU is its own core: hyper-thread siblings cannot be told apart
 then, and :meth:`Topology.describe` says so.
+
+:meth:`Topology.synthetic` is a machine that is not there: one socket of N
+cores whose CPU ids are labels only (``up --simulate-cores N``), for running
+the planning and reconfiguration logic at a scale this machine lacks, with
+models that only sleep. Nothing is pinned to it (:attr:`Topology.simulated`).
 """
 from __future__ import annotations
 
@@ -111,7 +116,7 @@ class Socket:
 class Topology:
     """Sockets and physical cores this process may use.
 
-    ``source`` is ``"sysfs"`` or ``"fallback"``; ``cpu_quota`` is the cgroup
+    ``source`` is ``"sysfs"``, ``"fallback"`` or ``"synthetic"``; ``cpu_quota`` is the cgroup
     CPU bandwidth limit in cores (``cpu.max``), which a cpuset does not show:
     a container may see 16 CPUs and be allowed the time of 4.
     """
@@ -226,7 +231,31 @@ class Topology:
             notes=tuple(notes),
         )
 
+    @classmethod
+    def synthetic(cls, cores: int) -> Topology:
+        """A simulated machine: one socket of ``cores`` physical cores, cpus ``0..cores-1``.
+
+        Its CPU ids are labels for allocation and ``status``, not CPUs of this
+        machine: an instance placed on it must not be pinned (see
+        :attr:`simulated`), and only models that sleep instead of computing
+        (``echo``, ``sleep``, ``profiled``) make sense on it.
+        """
+        if cores < 1:
+            raise ValueError(f"a synthetic topology needs at least one core, got {cores}")
+        built = tuple(Core(socket=0, core_id=cpu, cpus=(cpu,), siblings=(cpu,)) for cpu in range(cores))
+        return cls(
+            sockets=(Socket(id=0, cores=built),),
+            allowed=frozenset(range(cores)),
+            source="synthetic",
+            notes=(f"simulated: {cores} cores of one socket; cpus are labels, no instance is pinned",),
+        )
+
     # --- queries ------------------------------------------------------
+    @property
+    def simulated(self) -> bool:
+        """Whether this is a :meth:`synthetic` machine, whose cpus must not be pinned to."""
+        return self.source == "synthetic"
+
     @property
     def cores(self) -> tuple[Core, ...]:
         return tuple(c for s in self.sockets for c in s.cores)

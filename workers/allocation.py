@@ -13,7 +13,8 @@ small exact search over socket capacities decides, so an allocation error
 always means the configuration really does not fit.
 
 The supervisor allocates; the instance pins itself to what it was given
-(:mod:`workers.runtime`).
+(:mod:`workers.runtime`), unless the topology is a simulated one
+(:meth:`packrat_mq.topology.Topology.synthetic`), whose cpus are labels only.
 """
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ class CoreAssignment:
     #: The logical CPU to pin on each core (one per core).
     cpus: tuple[int, ...]
     node: int | None = None
+    #: False on a simulated topology: ``cpus`` are labels, and the instance is not pinned to them.
+    pin: bool = True
 
     @property
     def threads(self) -> int:
@@ -115,6 +118,7 @@ def allocate(topology: Topology, configuration: Configuration) -> list[CoreAssig
             cores=tuple(c.core_id for c in cores),
             cpus=tuple(c.cpu for c in cores),
             node=cores[0].node,
+            pin=not topology.simulated,
         )
     return [a for a in result if a is not None]
 

@@ -27,6 +27,9 @@ class RuntimeSpec(BaseModel):
     batch: int = Field(default=1, ge=1)
     cpus: list[int] = Field(default_factory=list)
     socket: int = 0
+    #: Pin to ``cpus``; False when they are labels of a simulated machine
+    #: (``up --simulate-cores``), which this one may not have.
+    pin: bool = True
     graph_mode: bool = False
     options: dict[str, Any] = Field(default_factory=dict)
 
@@ -80,8 +83,8 @@ def size_torch(threads: int) -> bool:
 
 
 def start(spec: RuntimeSpec, *, warm_up: bool = True) -> BaseHandler:
-    """Pin, load the handler, size torch, initialise and (by default) warm up one instance."""
-    if spec.cpus:
+    """Pin (unless ``spec.pin`` is False), load the handler, size torch, initialise and (by default) warm up one instance."""
+    if spec.pin and spec.cpus:
         pin(spec.cpus)
     handler = load_handler(spec.handler)
     # A handler module that imports torch gets its pools sized before the

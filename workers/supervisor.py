@@ -200,7 +200,7 @@ class Supervisor:
                                 batch=a.batch, cpus=list(a.cpus), socket=a.socket, node=self.node)
         spec = WorkerSpec(url=self.url, settings=self.settings, model=self.model, handler=self.handler,
                           instance_id=record.id, threads=a.threads, batch=a.batch, cpus=list(a.cpus),
-                          socket=a.socket, graph_mode=self.settings.graph_mode, options=self.options,
+                          socket=a.socket, pin=a.pin, graph_mode=self.settings.graph_mode, options=self.options,
                           parent_pid=os.getpid())
         child = Child(name=f"instance {record.id}", module="workers.worker", spec_json=spec.model_dump_json(),
                       record_key=self.keys.instance(self.model, record.id), record=InstanceState,

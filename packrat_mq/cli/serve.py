@@ -15,12 +15,17 @@ from optimizer.planning.selection import choose, find_profile, machine_warning
 from packrat_mq import logs
 from packrat_mq.cli.helpers import connect_or_fail, err, parse_handler_options, redis_options, remember_url
 from packrat_mq.connection import EmbeddedRedis, connect, discover_url
+from packrat_mq.handler import ZOO
 from packrat_mq.instances import Configuration, ConfigurationError
 from packrat_mq.keys import check_model_name
 from packrat_mq.settings import Settings
 from packrat_mq.topology import Topology
 from workers.allocation import AllocationError
 from workers.supervisor import Supervisor
+
+#: The models a simulated machine (``--simulate-cores``) may serve: they sleep instead of
+#: computing, so N "cores" of instances fit on this machine's few.
+SIMULATED_MODELS = ("echo", "sleep", "profiled")
 
 
 @dataclass
@@ -40,6 +45,8 @@ class ServePlan:
     adaptive: bool = False
     #: T: the cores the optimizer plans with, now and at every reconfiguration.
     threads: int | None = None
+    #: The machine to allocate on: a synthetic one with ``--simulate-cores``, else None (this one).
+    topology: Topology | None = None
 
 
 def model_and_handler(model: str, name: str | None) -> tuple[str, str]:
@@ -53,17 +60,19 @@ def model_and_handler(model: str, name: str | None) -> tuple[str, str]:
 
 def choose_configuration(
     model: str, instances: str | None, threads: int | None, batch: int | None, profile: str | None,
-    graph: bool = False, handler: str | None = None,
+    graph: bool = False, handler: str | None = None, topology: Topology | None = None,
 ) -> tuple[Configuration, str | None]:
     """The configuration to serve with, and the profile it came from (if any).
 
     ``--instances`` wins; otherwise :func:`optimizer.planning.selection.choose` decides
-    for ``--threads`` (default: the cores of one socket) and ``--batch``. Without
-    ``--profile`` the model's profile of the mode served in is used
-    (``profiles/<model>.graph.json`` with ``--graph``, else ``profiles/<model>.json``).
-    A profile measured on another kind of machine is used all the same, with a
-    warning on stderr that says so and how to profile this machine.
+    for ``--threads`` (default: the cores of one socket of ``topology``, this machine's
+    when None) and ``--batch``. Without ``--profile`` the model's profile of the mode
+    served in is used (``profiles/<model>.graph.json`` with ``--graph``, else
+    ``profiles/<model>.json``). A profile measured on another kind of machine is used
+    all the same, with a warning on stderr that says so and how to profile this
+    machine; not on a simulated machine, which no profile was measured on.
     """
+    simulated = topology is not None and topology.simulated
     if instances:
         try:
             config = Configuration.parse(instances)
@@ -81,30 +90,68 @@ def choose_configuration(
                                           threads=config.threads, batch=config.batch)
             except ProfileError:
                 warning = None  # a broken file is the dispatcher's to report when it reads it
-            if warning:
+            if warning and not simulated:
                 err(warning)
         return config, str(path) if path else None
     try:
-        choice = choose(model, threads or Topology.detect().max_cores_per_socket, batch or 1, profile, graph=graph,
-                        handler=handler)
+        choice = choose(model, threads or (topology or Topology.detect()).max_cores_per_socket, batch or 1, profile,
+                        graph=graph, handler=handler)
     except ValueError as exc:
         raise click.ClickException(f"optimizer: {exc}") from None
     err(choice.note)
-    if choice.warning:
+    if choice.warning and not simulated:
         err(choice.warning)
     return choice.configuration, str(choice.profile_path) if choice.profile_path else None
+
+
+def simulated_topology(cores: int | None, handler: str) -> Topology | None:
+    """``--simulate-cores N``: one synthetic socket of N cores, for a model that only sleeps; else None.
+
+    Refused (one line, before anything starts) for any other model: it would
+    really compute, with N threads' worth of instances on this machine's cores.
+    """
+    if cores is None:
+        return None
+    allowed = {ZOO[name] for name in SIMULATED_MODELS}
+    if ZOO.get(handler, handler) not in allowed:
+        raise click.ClickException(
+            f"--simulate-cores serves only models that sleep instead of computing "
+            f"({', '.join(SIMULATED_MODELS)}), not {handler!r}"
+        )
+    return Topology.synthetic(cores)
+
+
+def profiled_profile(served: str, profile: str | None, options: dict[str, Any],
+                     graph: bool = False) -> tuple[str | None, dict[str, Any]]:
+    """For ``--model profiled``: one profile for the handler to sleep by and the optimizer to plan from.
+
+    ``-o profile=P`` plans from P too when ``--profile`` is not given, and
+    ``--profile P`` is what the instances sleep by when ``-o profile`` is not;
+    either is a path or a model name (``profiles/<name>.json``), handed to the
+    instances as an absolute path.
+    """
+    given = options.get("profile")
+    if given is None and profile is None:
+        raise click.ClickException("the profiled model needs a profile: -o profile=PATH (or --profile PATH)")
+    source, hint = (str(given), "--option profile") if given is not None else (str(profile), "--profile")
+    try:
+        path = find_profile(served, source, graph=graph)
+    except ProfileError as exc:
+        raise click.BadParameter(str(exc), param_hint=hint) from None
+    assert path is not None  # a named profile is found or raises
+    return (profile if profile is not None else str(path)), {**options, "profile": str(path.resolve())}
 
 
 def serving_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """The options that say what to serve; the command receives a :class:`ServePlan` as ``plan``."""
 
     @click.option("--model", "-m", required=True,
-                  help="Zoo name (echo, sleep, resnet50, inception_v3, bert, gpt2, minilm) or module:Class.")
+                  help="Zoo name (echo, sleep, profiled, resnet50, inception_v3, bert, gpt2, minilm) or module:Class.")
     @click.option("--instances", "-i", envvar="PACKRAT_INSTANCES", default=None,
                   help='Configuration by hand: "TxB,TxB,..." (e.g. "2x4,2x4" or "2*1x4"); '
                        "env PACKRAT_INSTANCES. Else the optimizer picks.")
     @click.option("--threads", "-t", type=click.IntRange(min=1), default=None,
-                  help="Threads T for the optimizer (default: cores of one socket).")
+                  help="Threads T for the optimizer (default: cores of one socket; N with --simulate-cores).")
     @click.option("--batch", "-b", type=click.IntRange(min=1), default=None,
                   help="Aggregated batch B for the optimizer; pins B. Without it (and without --instances) "
                        "B is adaptive: estimated from the load, starting at 1.")
@@ -121,15 +168,24 @@ def serving_options(func: Callable[..., Any]) -> Callable[..., Any]:
     @click.option("--exit-with-parent/--no-exit-with-parent", envvar="PACKRAT_EXIT_WITH_PARENT", default=False,
                   help="Stop in order when the program that started this command dies (a test runner, "
                        "a process manager); env PACKRAT_EXIT_WITH_PARENT=1.")
+    @click.option("--simulate-cores", type=click.IntRange(min=1), default=None, metavar="N",
+                  help="Simulate one socket of N cores: cpus 0..N-1 are labels, nothing is pinned. "
+                       "Only for echo, sleep and profiled (which sleeps as a profile says).")
     @functools.wraps(func)
     def wrapper(*args: Any, model: str, instances: str | None, threads: int | None, batch: int | None,
                 adaptive: bool, profile: str | None, graph: bool, option_pairs: tuple[str, ...],
-                node: str | None, name: str | None, exit_with_parent: bool, **kwargs: Any) -> Any:
+                node: str | None, name: str | None, exit_with_parent: bool, simulate_cores: int | None,
+                **kwargs: Any) -> Any:
         served, handler = model_and_handler(model, name)
-        config, profile_path = choose_configuration(served, instances, threads, batch, profile, graph, handler)
+        topology = simulated_topology(simulate_cores, handler)
+        options = parse_handler_options(option_pairs)
+        if ZOO.get(handler, handler) == ZOO["profiled"]:
+            profile, options = profiled_profile(served, profile, options, graph)
+        config, profile_path = choose_configuration(served, instances, threads, batch, profile, graph, handler,
+                                                    topology)
         adaptive = adaptive or (batch is None and instances is None)
-        plan = ServePlan(served, handler, config, profile_path, parse_handler_options(option_pairs), node, graph,
-                         exit_with_parent, adaptive=adaptive, threads=threads)
+        plan = ServePlan(served, handler, config, profile_path, options, node, graph, exit_with_parent,
+                         adaptive=adaptive, threads=threads, topology=topology)
         return func(*args, plan=plan, **kwargs)
 
     return wrapper
@@ -141,10 +197,14 @@ def _run(settings: Settings, url: str, plan: ServePlan, *, with_dispatcher: bool
     try:
         service = Supervisor(connect(url), settings, url, plan.model, config, handler=plan.handler,
                              options=plan.options, profile=plan.profile_path, node=plan.node,
-                             with_dispatcher=with_dispatcher, exit_with_parent=plan.exit_with_parent,
-                             adaptive=plan.adaptive, threads_budget=plan.threads)
+                             topology=plan.topology, with_dispatcher=with_dispatcher,
+                             exit_with_parent=plan.exit_with_parent, adaptive=plan.adaptive,
+                             threads_budget=plan.threads)
     except AllocationError as exc:
         raise click.ClickException(str(exc)) from None
+    if plan.topology is not None and plan.topology.simulated:
+        click.echo(f"simulating one socket of {plan.topology.physical_cores} cores: the cpus below are labels, "
+                   "no instance is pinned")
     click.echo(f"starting {plan.model}: {config} (B={config.batch}, {config.threads} threads"
                + (f", predicted {config.predicted_latency_ms:.2f} ms" if config.predicted_latency_ms else "")
                + (f"; adaptive: B follows the load, {settings.adaptive_min_batch}..{settings.adaptive_max_batch}, "
@@ -179,6 +239,8 @@ def up(settings: Settings, plan: ServePlan, batch_timeout_ms: float | None) -> N
       packrat-mq up --model resnet50 --threads 16 --batch 32      # optimizer picks, B pinned
       packrat-mq up --model resnet50 --batch 8 --adaptive         # adaptive, starting at B=8
       packrat-mq up --model minilm -i 2*1x4 --redis-url redis://localhost:6379/0
+      packrat-mq up --model profiled -o profile=profiles/sim/resnet50-16core.json -o time_scale=0.1 \\
+                    --simulate-cores 64                            # 64 simulated cores, adaptive B
     """
     logs.configure(settings, "up")
     updates: dict[str, Any] = {"graph_mode": plan.graph}
