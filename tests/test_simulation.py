@@ -18,6 +18,7 @@ import redis
 from click.testing import CliRunner
 
 from optimizer.planning.profile import Profile, ProfileEntry
+from optimizer.planning.solving import solve
 from packrat_mq.cli import main
 from packrat_mq.cli.serve import ServePlan, serving_options
 from packrat_mq.handler import Context, Input, load_handler, run_batch
@@ -115,6 +116,10 @@ def test_the_modelled_16_core_profile_covers_t_1_to_16() -> None:
     # More threads never slower, a larger batch never faster.
     table = prof.table().latency_ms
     assert (table[1:] <= table[:-1]).all() and (table[:, 1:] >= table[:, :-1]).all()
+    # 64 simulated cores are planned with instances of the profile's 16 threads at most.
+    config = solve(prof, 64, 256)
+    assert config.batch == 256 and config.threads <= 64 and len(config.instances) > 1
+    assert max(i.threads for i in config.instances) <= 16
 
 
 # --- the synthetic topology -------------------------------------------------
