@@ -23,12 +23,15 @@ from packrat_mq.cli import main
 from packrat_mq.cli.serve import ServePlan, serving_options
 from packrat_mq.handler import Context, Input, load_handler, run_batch
 from packrat_mq.instances import Configuration
+from packrat_mq.settings import Settings
 from packrat_mq.topology import Topology
 from packrat_mq.zoo.profiled import ProfiledHandler
 from tests.helpers import interrupt, wait_for
+from tests.test_reconfiguration import Load, assert_exactly_once, history, supervise_until
 from workers import runtime
 from workers.allocation import allocate
 from workers.runtime import RuntimeSpec
+from workers.supervisor import Supervisor
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -132,6 +135,8 @@ def test_synthetic_topology_is_one_socket_of_labels_that_allocation_does_not_pin
     placed = allocate(topo, Configuration.parse("4*16x8"))
     assert [a.cpus for a in placed][-1] == tuple(range(48, 64))
     assert all(not a.pin for a in placed)
+    rest = topo.without(range(8))  # what a reconfiguration allocates its new instances on
+    assert rest.simulated and all(not a.pin for a in allocate(rest, Configuration.parse("2*16x8")))
     assert not Topology.detect().simulated
     assert all(a.pin for a in allocate(Topology.detect(), Configuration.parse("1x1")))
     with pytest.raises(ValueError):
@@ -243,3 +248,40 @@ def test_up_serves_a_simulated_16_core_machine_on_unpinned_instances(
         interrupt(proc)
     out = proc.stdout.read() if proc.stdout else ""
     assert "simulating one socket of 16 cores" in out and "cpus [8, 9, 10, 11, 12, 13, 14, 15]" in out
+
+
+# --- the estimator and reconfiguration at 16 simulated cores ------------------
+@pytest.mark.timeout(240)
+def test_the_estimator_and_both_kinds_of_reconfiguration_at_16_simulated_cores(
+    r: redis.Redis, settings: Settings, redis_url: str, prefix: str,
+) -> None:
+    """Adaptive from B=1 on the modelled 16-core profile: 8 clients move B to 8 (16x1 -> 8 x 2x1, new
+    unpinned instances on cpus past this machine's), idle brings B back to 1, a reshare keeps the process."""
+    sim = str(ROOT / "profiles" / "sim" / "resnet50-16core.json")
+    quiet = settings.model_copy(update={"log_level": "WARNING", "batch_timeout_ms": 5.0})
+    sup = Supervisor(r, quiet, redis_url, "profiled", Configuration.parse("16x1"), handler="profiled",
+                     options={"profile": sim, "time_scale": 1.0}, profile=sim, node="n1",
+                     topology=Topology.synthetic(16), adaptive=True)
+    assert sup.threads_budget == 16
+    allowed = os.sched_getaffinity(0)
+    try:
+        sup.start(ready_timeout=60)
+        with Load(redis_url, prefix, "profiled", clients=8, payload={}) as load:
+            supervise_until(sup, lambda: sup.deployment.batch == 8 and sup.change is None, 90,
+                            "B to follow eight clients")
+            assert sorted(i.record.threads for i in sup.instances) == [2] * 8
+            assert max(max(i.record.cpus) for i in sup.instances) > 2
+            for inst in sup.instances:
+                assert os.sched_getaffinity(inst.child.process.pid) == allowed  # not pinned
+        supervise_until(sup, lambda: sup.deployment.batch == 1 and sup.change is None, 60, "B back to 1")
+        assert [i.record.threads for i in sup.instances] == [16]
+        kinds = [(e["kind"], e["origin"]) for e in history(r, quiet, "profiled")]
+        assert ("active-passive", "estimator") in kinds
+        assert_exactly_once(load, r, quiet, "profiled")
+        pid = sup.instances[0].child.process.pid
+        change = sup.reconfigure(Configuration.parse("16x4"), reason="test")
+        assert change is not None and change.kind == "reshare"
+        supervise_until(sup, lambda: sup.change is None, 20, "the reshare")
+        assert sup.instances[0].child.process.pid == pid and sup.deployment.batch == 4
+    finally:
+        sup.stop(timeout=10)
