@@ -56,7 +56,9 @@ from packrat_mq import protocol, replies, streams
 from packrat_mq.backoff import Backoff
 from packrat_mq.connection import connect
 from packrat_mq.deployment import Deployment, InstanceRecord
+from packrat_mq.exposition import ModelView, read_stream
 from packrat_mq.keys import DISPATCHER_GROUP, check_model_name, request_owner
+from packrat_mq.metrics import DISPATCHER_HISTOGRAMS, Tally, count_replies
 from packrat_mq.records import DispatcherState, InstanceState
 from packrat_mq.recovery import recover
 from packrat_mq.settings import Settings
@@ -105,6 +107,9 @@ class Dispatcher:
         self.aggregator: Aggregator[Entry] = Aggregator(self._read)
         #: The estimator: samples the backlog in a thread of its own while running (see :meth:`run`).
         self.adaptive = Adaptive(r, settings, self.model)
+        #: What it counts for the metrics while they are on: published in its record at every
+        #: heartbeat, exported by its supervisor (or by ``packrat-mq dispatch`` itself, :meth:`metrics_view`).
+        self.tally = Tally(DISPATCHER_HISTOGRAMS) if settings.metrics_port else None
 
     # --- setup ----------------------------------------------------------
     def setup(self) -> None:
@@ -124,21 +129,31 @@ class Dispatcher:
             self._state = state
         elif now - self._last_beat < self.settings.heartbeat_s:
             return
-        estimate = self.adaptive.snapshot()
-        deployment = self.deployment
-        record = DispatcherState(state=self._state, pid=os.getpid(), host=socket.gethostname(),
-                                 interval=self.settings.heartbeat_s, heartbeat=now,
-                                 max_backlog=self.settings.max_backlog,
-                                 generation=deployment.generation if deployment else None,
-                                 batch=deployment.batch if deployment else None,
-                                 adaptive=estimate.adaptive,
-                                 q_tilde=round(estimate.q_tilde, 3) if estimate.q_tilde is not None else None,
-                                 b_tilde=estimate.b_tilde, requested_batch=estimate.requested)
         pipe = self.r.pipeline(transaction=False)
-        record.save(pipe, self.keys.dispatcher(self.model))
+        self.record(now).save(pipe, self.keys.dispatcher(self.model))
         pipe.sadd(self.keys.models(), self.model)
         pipe.execute()
         self._last_beat = now
+
+    def record(self, now: float | None = None) -> DispatcherState:
+        """This dispatcher's live record as of now (its counters are incremented where they change)."""
+        estimate = self.adaptive.snapshot()
+        deployment = self.deployment
+        return DispatcherState(state=self._state, pid=os.getpid(), host=socket.gethostname(),
+                               interval=self.settings.heartbeat_s, heartbeat=time.time() if now is None else now,
+                               max_backlog=self.settings.max_backlog,
+                               generation=deployment.generation if deployment else None,
+                               batch=deployment.batch if deployment else None,
+                               adaptive=estimate.adaptive,
+                               q_tilde=round(estimate.q_tilde, 3) if estimate.q_tilde is not None else None,
+                               b_tilde=estimate.b_tilde, requested_batch=estimate.requested,
+                               metrics=self.tally.dump() if self.tally is not None else None)
+
+    def metrics_view(self) -> ModelView:
+        """What ``packrat-mq dispatch`` exports (called by the exporter's thread; see :mod:`packrat_mq.exposition`)."""
+        return ModelView(model=self.model, tally=self.tally.copy() if self.tally is not None else Tally(),
+                         dispatcher=True, dispatcher_state=self.record(),
+                         stream=read_stream(self.r, self.stream, DISPATCHER_GROUP))
 
     def stop(self) -> None:
         self._stopping = True
@@ -243,8 +258,12 @@ class Dispatcher:
         if entries:
             self.dispatch(entries, deployment)
             oldest_ms = protocol.entry_ms(entries[0][0])
-            self.adaptive.record_batch(len(entries), len(entries) < deployment.batch,
-                                       max(0.0, time.time() * 1000.0 - oldest_ms))
+            partial = len(entries) < deployment.batch
+            self.adaptive.record_batch(len(entries), partial, max(0.0, time.time() * 1000.0 - oldest_ms))
+            if self.tally is not None:
+                self.tally.observe("batch_size", len(entries))
+                if partial:
+                    self.tally.count("partial_batches")
         return len(entries)
 
     def run(self) -> None:
@@ -316,13 +335,18 @@ class Dispatcher:
             pairs.append((reply_to, protocol.error_reply(protocol.entry_request_id(fields), message, model=self.model)))
         pipe = self.r.pipeline(transaction=True)
         stats_key = self.keys.stats(self.model)
-        replies.queue(pipe, pairs, ttl_s=self.settings.reply_ttl_s, stats_key=stats_key)
+        grouped = replies.queue(pipe, pairs, ttl_s=self.settings.reply_ttl_s, stats_key=stats_key)
         pipe.xdel(self.stream, *(sid for sid, _ in entries))
         pipe.hincrby(stats_key, "requests", len(entries))
         pipe.hincrby(stats_key, "overloaded", len(entries))
         if unanswerable:
             pipe.hincrby(stats_key, "unanswerable", unanswerable)
-        replies.execute(pipe, f"model {self.model}")
+        results = replies.execute(pipe, f"model {self.model}")
+        if self.tally is not None:
+            self.tally.count("requests", n=len(entries))
+            if unanswerable:
+                self.tally.count("errors", "unanswerable", n=unanswerable)
+            count_replies(self.tally, grouped, results)
         log.warning("model %s: backlog over %d; %d newest requests refused as overloaded",
                     self.model, self.settings.max_backlog, len(entries))
         return len(entries)
@@ -365,7 +389,7 @@ class Dispatcher:
                 log.warning("model %s: dropped request %r that cannot be answered: %s", self.model, exc.request_id, exc)
                 continue
             pairs.append((exc.reply_to, protocol.error_reply(exc.request_id, str(exc), model=self.model)))
-        replies.queue(pipe, pairs, ttl_s=self.settings.reply_ttl_s, stats_key=stats_key)
+        grouped = replies.queue(pipe, pairs, ttl_s=self.settings.reply_ttl_s, stats_key=stats_key)
         start = 0
         for inst, n in zip(instances, counts):
             if n == 0:
@@ -387,18 +411,28 @@ class Dispatcher:
             pipe.hincrby(stats_key, "rejected", len(rejected))
         if unanswerable:
             pipe.hincrby(stats_key, "unanswerable", unanswerable)
-        replies.execute(pipe, f"model {self.model}")
+        results = replies.execute(pipe, f"model {self.model}")
+        if self.tally is not None:
+            self.tally.count("requests", n=len(accepted) + len(rejected))
+            if unanswerable:
+                self.tally.count("errors", "unanswerable", n=unanswerable)
+            count_replies(self.tally, grouped, results)
+            sent_s = time.time()
+            self.tally.observe_many("dispatch_wait", [sent_s - req.enqueued_ms / 1000.0 for req in accepted])
+
+    def serve(self) -> None:
+        """Run until SIGTERM/SIGINT (or until the supervisor ``parent_pid`` is gone)."""
+
+        def _stop(signum: int, frame: Any) -> None:
+            self.stop()
+
+        signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGINT, _stop)
+        self.run()
 
 
 def run_dispatcher(
     settings: Settings, url: str, model: str, *, latency: LatencyFn | None = None, parent_pid: int | None = None
 ) -> None:
     """Process entry point: run until SIGTERM/SIGINT (or until the supervisor ``parent_pid`` is gone)."""
-    d = Dispatcher(connect(url), settings, model, latency=latency, parent_pid=parent_pid)
-
-    def _stop(signum: int, frame: Any) -> None:
-        d.stop()
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    d.run()
+    Dispatcher(connect(url), settings, model, latency=latency, parent_pid=parent_pid).serve()

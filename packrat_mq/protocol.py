@@ -54,6 +54,40 @@ class PayloadError(ValueError):
     """A payload that does not decode as its content type says."""
 
 
+#: The ``kind`` of an error reply in the metrics (``packrat_errors_total``), by how its message
+#: starts (the table "Errors a producer can get" in docs/protocol.md). Kinds known where they
+#: happen are added there: ``unanswerable`` (no usable reply_to), ``undeliverable`` (reply_to
+#: not a stream), ``overloaded``.
+ERROR_KINDS: tuple[tuple[str, str], ...] = (
+    ("missing id field", "bad_request"),
+    ("missing payload field", "bad_request"),
+    ("id is not UTF-8", "bad_request"),
+    ("id longer than", "bad_request"),
+    ("content_type is not UTF-8", "bad_request"),
+    ("unknown content_type", "bad_request"),
+    ("deadline_ms must be", "bad_request"),
+    ("payload of ", "too_large"),
+    ("deadline exceeded", "deadline"),
+    ("overloaded:", "overloaded"),
+    ("unknown model", "unknown_model"),
+    ("payload is not valid", "bad_payload"),
+    ("the request is no longer in the request stream", "gone"),
+    ("inference failed for this batch", "inference"),
+    ("worker instance died", "worker_died"),
+    ("handler output could not be encoded", "bad_output"),
+    ("internal error", "internal"),
+    ("no result", "internal"),
+)
+
+
+def error_kind(message: str) -> str:
+    """The metrics' kind of an error reply's message; ``invalid_input`` for a handler's own (``validate``)."""
+    for start, kind in ERROR_KINDS:
+        if message.startswith(start):
+            return kind
+    return "invalid_input"
+
+
 @dataclass
 class Request:
     """One accepted request, as the dispatcher hands it to a worker."""

@@ -61,6 +61,9 @@ class LiveRecord(BaseModel):
     restarts: int = 0
     loop_errors: int = 0
     groups_recreated: int = 0
+    #: The process's metrics tally as JSON (:meth:`packrat_mq.metrics.Tally.dump`), written with
+    #: every heartbeat while metrics are on, for the exporter of its supervisor; None: off.
+    metrics: str | None = None
 
     # --- writing ------------------------------------------------------
     def fields(self) -> dict[str, str]:

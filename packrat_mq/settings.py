@@ -66,6 +66,22 @@ class Settings(BaseSettings):
         default=1.0, gt=0, description="Window of the batch-timeout and queueing-delay triggers."
     )
 
+    # --- metrics (packrat_mq.exposition) ---
+    metrics_port: int | None = Field(
+        default=None, ge=1, le=65535,
+        description="Port of the Prometheus endpoint of up/pool/node/dispatch (/metrics); unset or empty: off.",
+    )
+    metrics_address: str = Field(
+        default="127.0.0.1", min_length=1,
+        description="Address the metrics endpoint binds; 0.0.0.0 inside a container's network.",
+    )
+
+    @field_validator("metrics_port", mode="before")
+    @classmethod
+    def _empty_is_off(cls, v: object) -> object:
+        # PACKRAT_METRICS_PORT= (set, empty) turns metrics off, as unset does (docker-compose).
+        return None if isinstance(v, str) and not v.strip() else v
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _upper(cls, v: object) -> object:

@@ -31,6 +31,7 @@ from pydantic import BaseModel, Field
 
 from optimizer.planning.selection import choose, find_profile
 from packrat_mq import control, replies
+from packrat_mq.exposition import ModelView
 from packrat_mq.handler import load_handler
 from packrat_mq.instances import Configuration
 from packrat_mq.keys import check_model_name, node_group
@@ -205,6 +206,10 @@ class NodePool:
         pipe = self.r.pipeline(transaction=True)
         replies.queue(pipe, [(reply_to, fields)], ttl_s=self.settings.reply_ttl_s)
         replies.execute(pipe, f"node {self.node}")
+
+    def metrics_views(self) -> list[ModelView]:
+        """What this node's exporter shows: each served model's pool and dispatcher (see :mod:`packrat_mq.exposition`)."""
+        return [sup.metrics_view() for sup in list(self.supervisors.values())]
 
     # --- the loop ------------------------------------------------------------
     def _beat(self) -> None:

@@ -34,8 +34,10 @@ from optimizer.planning.selection import choose
 from packrat_mq import control, replies
 from packrat_mq.backoff import Backoff
 from packrat_mq.deployment import Deployment, InstanceRecord
+from packrat_mq.exposition import ModelView, read_stream
 from packrat_mq.instances import Configuration
-from packrat_mq.keys import WORKER_GROUP, check_model_name, control_group
+from packrat_mq.keys import DISPATCHER_GROUP, WORKER_GROUP, check_model_name, control_group
+from packrat_mq.metrics import SUPERVISOR_HISTOGRAMS, Tally, Totals
 from packrat_mq.records import DispatcherState, InstanceState, LiveRecord, SupervisorState
 from packrat_mq.settings import Settings
 from packrat_mq.streams import ensure_group
@@ -194,6 +196,10 @@ class Supervisor:
         self.loop_errors = 0
         self._loop_backoff = Backoff(base=0.1, cap=5.0)
         self._started = time.time()
+        #: Its own counts for the metrics (restarts, reconfigurations), and the sum of what its
+        #: processes publish in their records (see :meth:`metrics_view`).
+        self.tally = Tally(SUPERVISOR_HISTOGRAMS)
+        self.totals = Totals()
 
     def _instance(self, a: CoreAssignment, generation: int) -> Instance:
         record = InstanceRecord(id=f"{self.node}-g{generation}-{a.instance}", threads=a.threads,
@@ -456,6 +462,7 @@ class Supervisor:
 
     def _forget(self, instances: list[Instance]) -> None:
         """Remove the records and (empty) queues of instances that stopped."""
+        self._absorb_quietly(instances)
         pipe = self.r.pipeline()
         for inst in instances:
             queue = self.keys.queue(self.model, inst.record.id)
@@ -470,6 +477,9 @@ class Supervisor:
         change = self.change
         assert change is not None
         summary = change.summary()
+        self.tally.count("reconfigurations", change.kind, summary["status"], change.origin)
+        if summary["total_s"] is not None:
+            self.tally.observe("reconfiguration", summary["total_s"])
         pipe = self.r.pipeline(transaction=False)
         pipe.lpush(self.keys.reconfigurations(self.model), json.dumps(summary))
         pipe.ltrim(self.keys.reconfigurations(self.model), 0, HISTORY - 1)
@@ -571,6 +581,7 @@ class Supervisor:
                 continue
             child.next_start = 0.0
             child.restarts += 1
+            self.tally.count("restarts", "dispatcher" if child is self.dispatcher else "instance")
             child.start()
             self._record(child, restarted=True)
             restarted.append(child.name)
@@ -611,6 +622,72 @@ class Supervisor:
             pipe.execute()
         except redis.RedisError as exc:
             log.debug("supervisor heartbeat not written: %s", exc)
+
+    # --- metrics --------------------------------------------------------
+    def metrics_view(self) -> ModelView:
+        """What this pool exports (and its dispatcher's families, when it runs one): see :mod:`packrat_mq.exposition`.
+
+        Called by the exporter's thread at every scrape: it reads the live
+        records of this supervisor's processes (one pipeline), adds their
+        tallies up, and counts the instances by state and role.
+        """
+        roles = ([(i, "active") for i in self.instances] + [(i, "passive") for i in self.passive]
+                 + [(i, "retiring") for i in self.retiring])
+        change = self.change
+        view = ModelView(model=self.model, tally=Tally(), pool=True, dispatcher=self.with_dispatcher,
+                         phase=change.phase if change else "")
+        try:
+            records, view.dispatcher_state = self._absorb([inst for inst, _ in roles], self.with_dispatcher)
+        except redis.RedisError as exc:
+            log.debug("metrics: cannot read the records of %s: %s", self.model, exc)
+            records = None
+        now = time.time()
+        for inst, role in roles:
+            if records is None:
+                state = "unknown"
+            else:
+                rec = records.get(inst.record.id)
+                state = rec.effective_state(now) if rec is not None else "missing"
+            view.instances[(state, role)] = view.instances.get((state, role), 0) + 1
+        if self.with_dispatcher:
+            view.stream = read_stream(self.r, self.keys.requests(self.model), DISPATCHER_GROUP)
+        view.tally = self.totals.total()
+        view.tally.add(self.tally.copy())
+        return view
+
+    def _absorb(self, instances: list[Instance], dispatcher: bool) -> tuple[dict[str, InstanceState],
+                                                                          DispatcherState | None]:
+        """Read the records of ``instances`` (and the dispatcher's) and add their tallies to :attr:`totals`."""
+        pipe = self.r.pipeline(transaction=False)
+        for inst in instances:
+            pipe.hgetall(self.keys.instance(self.model, inst.record.id))
+        if dispatcher:
+            pipe.hgetall(self.keys.dispatcher(self.model))
+        raw = pipe.execute()
+        records: dict[str, InstanceState] = {}
+        for inst, fields in zip(instances, raw):
+            rec = InstanceState.parse(fields)
+            if rec is None:
+                continue
+            records[inst.record.id] = rec
+            tally = Tally.load(rec.metrics)
+            if tally is not None:
+                self.totals.update(f"instance:{inst.record.id}", rec.pid, tally)
+        drec = DispatcherState.parse(raw[-1]) if dispatcher else None
+        if drec is not None:
+            tally = Tally.load(drec.metrics)
+            if tally is not None:
+                self.totals.update("dispatcher", drec.pid, tally)
+        return records, drec
+
+    def _absorb_quietly(self, instances: list[Instance]) -> None:
+        """The last tallies of instances about to be forgotten (their records deleted), while metrics are on."""
+        if self.settings.metrics_port is None or not instances:
+            return
+        try:
+            self._absorb(instances, False)
+        except redis.RedisError as exc:
+            log.debug("metrics: the last counts of stopped instances are lost: %s", exc)
 
     def parent_gone(self) -> bool:
         return self.parent_pid is not None and os.getppid() != self.parent_pid
@@ -715,6 +792,7 @@ class Supervisor:
         the deployment stays, and a supervisor started again on the same node
         and generation takes it over.
         """
+        self._absorb_quietly(self.all_instances)
         pipe = self.r.pipeline()
         for inst in self.all_instances:
             queue = self.keys.queue(self.model, inst.record.id)

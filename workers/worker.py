@@ -28,6 +28,8 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Mapping
+from typing import Any
 
 import redis
 
@@ -36,6 +38,7 @@ from packrat_mq.backoff import Backoff
 from packrat_mq.connection import connect
 from packrat_mq.handler import BaseHandler, Input, Outcome, run_batch
 from packrat_mq.keys import DISPATCHER_GROUP, WORKER_GROUP
+from packrat_mq.metrics import WORKER_HISTOGRAMS, Tally, count_replies
 from packrat_mq.records import InstanceState
 from packrat_mq.recovery import recover
 from packrat_mq.settings import Settings
@@ -83,6 +86,9 @@ class Worker:
         self._state = "starting"
         self.batches = 0
         self.backoff = Backoff()
+        #: What it counts for the metrics while they are on, published in its record at every
+        #: heartbeat for its supervisor's exporter: no command of its own on the request path.
+        self.tally = Tally(WORKER_HISTOGRAMS) if self.settings.metrics_port else None
 
     def stop(self) -> None:
         self._stopping.set()
@@ -93,7 +99,8 @@ class Worker:
         s = self.spec
         return InstanceState(state=self._state, pid=os.getpid(), host=socket.gethostname(),
                              interval=self.settings.heartbeat_s, heartbeat=time.time(), threads=s.threads,
-                             batch=s.batch, cpus=s.cpus, socket=s.socket)
+                             batch=s.batch, cpus=s.cpus, socket=s.socket,
+                             metrics=self.tally.dump() if self.tally is not None else None)
 
     def register(self, state: str) -> None:
         """Write the whole record with a new state (and join the model's instance index)."""
@@ -321,6 +328,23 @@ class Worker:
                 log.warning("instance %s: reply_to %r is not a stream; replies to %s were not written",
                             s.instance_id, reply_to, ids)
         self.batches += 1
+        if self.tally is not None and requests:
+            self._count(requests, grouped, results, started_ms, inference_ms)
+
+    def _count(self, requests: list[protocol.Request], grouped: Mapping[str, list[Mapping[str, Any]]],
+               results: list[Any], started_ms: float, inference_ms: float) -> None:
+        """The sub-batch in the metrics' tally (in memory; the heartbeat publishes it)."""
+        tally = self.tally
+        assert tally is not None
+        answered_s = time.time()
+        started_s = started_ms / 1000.0
+        enqueued_s = [req.enqueued_ms / 1000.0 for req in requests]
+        tally.observe("sub_batch_size", len(requests))
+        if inference_ms > 0:  # 0: nothing ran (every request failed before the handler)
+            tally.observe("inference", inference_ms / 1000.0)
+        tally.observe_many("queue", [started_s - e for e in enqueued_s])
+        tally.observe_many("end_to_end", [answered_s - e for e in enqueued_s])
+        count_replies(tally, grouped, results)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,7 @@ import click
 
 from packrat_mq import logs
 from packrat_mq.cli.helpers import connect_or_fail, redis_options
+from packrat_mq.cli.serve import metrics_endpoint
 from packrat_mq.settings import Settings
 from workers.node import NodePool
 
@@ -31,11 +32,13 @@ def node(settings: Settings, node: str | None) -> None:
         pool = NodePool(r, settings, url, node)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--node") from None
-    pool.start()
-    click.echo(f"node {pool.node}: serving {', '.join(sorted(pool.supervisors)) or 'nothing yet'}; "
-               f"register models with `packrat-mq models register NAME --handler H --node {pool.node}` (Ctrl-C to stop)")
-    try:
-        pool.serve_forever()
-    finally:
-        click.echo(f"node {pool.node}: stopping every model (dispatchers first, queues drained)")
-        pool.stop()
+    with metrics_endpoint(settings, pool.metrics_views):
+        pool.start()
+        click.echo(f"node {pool.node}: serving {', '.join(sorted(pool.supervisors)) or 'nothing yet'}; "
+                   f"register models with `packrat-mq models register NAME --handler H --node {pool.node}` "
+                   "(Ctrl-C to stop)")
+        try:
+            pool.serve_forever()
+        finally:
+            click.echo(f"node {pool.node}: stopping every model (dispatchers first, queues drained)")
+            pool.stop()

@@ -1,20 +1,22 @@
 """``packrat-mq up``, ``dispatch`` and ``pool``: running the serving stack."""
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import click
 
-from dispatcher.dispatcher import run_dispatcher
+from dispatcher.dispatcher import Dispatcher
 from dispatcher.partitioning import latency_from_profile
 from optimizer.planning.profile import Profile, ProfileError
 from optimizer.planning.selection import choose, find_profile, machine_warning
 from packrat_mq import logs
 from packrat_mq.cli.helpers import connect_or_fail, err, parse_handler_options, redis_options, remember_url
 from packrat_mq.connection import EmbeddedRedis, connect, discover_url
+from packrat_mq.exposition import Exporter, ExporterError, Views, serve
 from packrat_mq.handler import ZOO
 from packrat_mq.instances import Configuration, ConfigurationError
 from packrat_mq.keys import check_model_name
@@ -202,26 +204,45 @@ def _run(settings: Settings, url: str, plan: ServePlan, *, with_dispatcher: bool
                              threads_budget=plan.threads)
     except AllocationError as exc:
         raise click.ClickException(str(exc)) from None
-    if plan.topology is not None and plan.topology.simulated:
-        click.echo(f"simulating one socket of {plan.topology.physical_cores} cores: the cpus below are labels, "
-                   "no instance is pinned")
-    click.echo(f"starting {plan.model}: {config} (B={config.batch}, {config.threads} threads"
-               + (f", predicted {config.predicted_latency_ms:.2f} ms" if config.predicted_latency_ms else "")
-               + (f"; adaptive: B follows the load, {settings.adaptive_min_batch}..{settings.adaptive_max_batch}, "
-                  f"planned for T={service.threads_budget}" if plan.adaptive else "; B pinned") + ")")
-    service.start()
-    for inst in service.instances:
-        pid = inst.child.process.pid if inst.child.process else "-"
-        click.echo(f"  instance {inst.record.id}: {inst.record.threads} threads, batch {inst.record.batch}, "
-                   f"cpus {inst.record.cpus}, pid {pid}")
-    click.echo(f"ready: XADD {settings.keys.requests(plan.model)} * id <id> reply_to <stream> payload <bytes> "
-               f"content_type application/json   (Ctrl-C to stop)")
+    with metrics_endpoint(settings, lambda: [service.metrics_view()]):
+        if plan.topology is not None and plan.topology.simulated:
+            click.echo(f"simulating one socket of {plan.topology.physical_cores} cores: the cpus below are labels, "
+                       "no instance is pinned")
+        click.echo(f"starting {plan.model}: {config} (B={config.batch}, {config.threads} threads"
+                   + (f", predicted {config.predicted_latency_ms:.2f} ms" if config.predicted_latency_ms else "")
+                   + (f"; adaptive: B follows the load, {settings.adaptive_min_batch}..{settings.adaptive_max_batch}, "
+                      f"planned for T={service.threads_budget}" if plan.adaptive else "; B pinned") + ")")
+        service.start()
+        for inst in service.instances:
+            pid = inst.child.process.pid if inst.child.process else "-"
+            click.echo(f"  instance {inst.record.id}: {inst.record.threads} threads, batch {inst.record.batch}, "
+                       f"cpus {inst.record.cpus}, pid {pid}")
+        click.echo(f"ready: XADD {settings.keys.requests(plan.model)} * id <id> reply_to <stream> payload <bytes> "
+                   f"content_type application/json   (Ctrl-C to stop)")
+        try:
+            service.serve_forever()
+        finally:
+            click.echo("stopping: dispatcher, then instances after they drain" if with_dispatcher
+                       else "stopping: instances after they drain")
+            service.stop()
+
+
+@contextlib.contextmanager
+def metrics_endpoint(settings: Settings, views: Views) -> Iterator[Exporter | None]:
+    """The metrics endpoint for the block, when ``PACKRAT_METRICS_PORT`` is set (its URL said on stdout).
+
+    Started before anything else, so a port in use fails with one line before a process starts.
+    """
     try:
-        service.serve_forever()
-    finally:
-        click.echo("stopping: dispatcher, then instances after they drain" if with_dispatcher
-                   else "stopping: instances after they drain")
-        service.stop()
+        exporter = serve(settings, views)
+    except ExporterError as exc:
+        raise click.ClickException(f"{exc} (PACKRAT_METRICS_PORT, PACKRAT_METRICS_ADDRESS)") from None
+    if exporter is None:
+        yield None
+        return
+    click.echo(f"metrics: {exporter.url}")
+    with exporter:
+        yield exporter
 
 
 @click.command()
@@ -294,4 +315,6 @@ def dispatch(settings: Settings, model: str, batch_timeout_ms: float | None, pro
     if batch_timeout_ms is not None:
         settings = settings.model_copy(update={"batch_timeout_ms": batch_timeout_ms})
     _, url = connect_or_fail(settings)
-    run_dispatcher(settings, url, model, latency=latency_from_profile(profile) if profile else None)
+    d = Dispatcher(connect(url), settings, model, latency=latency_from_profile(profile) if profile else None)
+    with metrics_endpoint(settings, lambda: [d.metrics_view()]):
+        d.serve()
