@@ -4,9 +4,12 @@ The file is parsed with yaml and its ``${VAR...}`` references are resolved
 here the way compose resolves them, for a given environment; the tests then
 check what the stack would run: no start without a password, every service
 authenticating with it, Redis reachable from the host's loopback only and
-keeping an append-only file on a volume, and every packrat-mq service's
-command accepted by the real CLI that the image's ENTRYPOINT runs. Where
-Docker Compose v2 is installed, one more test checks the resolver against it.
+keeping an append-only file on a volume, every packrat-mq service's
+command accepted by the real CLI that the image's ENTRYPOINT runs, and the
+``monitoring`` profile's Prometheus scraping every packrat-mq service where
+its settings say it exports, with a Grafana dashboard that shows every
+exported family. Where Docker Compose v2 is installed, one more test checks
+the resolver against it.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import yaml
 from redis.connection import parse_url
 
 from packrat_mq.cli import main
+from packrat_mq.exposition import FAMILIES
 from packrat_mq.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -257,6 +261,74 @@ def test_commands_parse_with_the_real_cli(
             assert ctx.params["instances"] == (env.get("INSTANCES") or None), name
 
 
+def _mounts(service: dict[str, Any]) -> dict[str, str]:
+    """Container path -> host path of a service's bind mounts (short syntax)."""
+    out = {}
+    for volume in service.get("volumes", []):
+        source, _, rest = volume.partition(":")
+        if source.startswith("."):
+            out[rest.split(":", 1)[0]] = source
+    return out
+
+
+def test_the_monitoring_profile_scrapes_every_packrat_service(
+    compose: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    services = compose["services"]
+    monitoring = {name for name, s in services.items() if "monitoring" in s.get("profiles", [])}
+    assert monitoring == {"prometheus", "grafana"}
+    # Optional: the stack without the profile needs nothing of it.
+    for name, service in services.items():
+        if name not in monitoring:
+            assert not set(service.get("depends_on", {})) & monitoring, name
+    prometheus = services["prometheus"]
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prometheus["command"]
+    config_file = ROOT / _mounts(prometheus)["/etc/prometheus/prometheus.yml"]
+    config = yaml.safe_load(config_file.read_text())
+    scraped: dict[str, int] = {}
+    for job in config["scrape_configs"]:
+        for sd in job.get("dns_sd_configs", []):
+            for host in sd["names"]:
+                scraped[host] = sd["port"]
+        for static in job.get("static_configs", []):
+            for target in static["targets"]:
+                host, _, port = target.rpartition(":")
+                scraped[host] = int(port)
+    exporting = {}
+    for name, service in packrat_services(compose).items():
+        _use_environment(service, monkeypatch)
+        settings = Settings()  # what the process in the container reads
+        assert settings.metrics_port is not None, f"{name} exports no metrics"
+        # Reachable from Prometheus's container, and published on no host interface.
+        assert settings.metrics_address == "0.0.0.0" and not service.get("ports"), name
+        exporting[name] = settings.metrics_port
+    assert scraped == exporting
+    grafana = services["grafana"]
+    for target, source in _mounts(grafana).items():
+        assert (ROOT / source).exists(), f"grafana mounts {source}, which is not in the repository"
+    assert _mounts(grafana)["/etc/grafana/dashboards/packrat-mq.json"] == "./deploy/grafana-dashboard.json"
+
+
+def test_metrics_port_can_be_turned_off(raw: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    compose = resolve(raw, {"REDIS_PASSWORD": PASSWORD, "METRICS_PORT": ""})
+    for name, service in packrat_services(compose).items():
+        _use_environment(service, monkeypatch)
+        assert Settings().metrics_port is None, name
+
+
+def test_the_dashboard_shows_every_exported_family() -> None:
+    dashboard = json.loads((ROOT / "deploy" / "grafana-dashboard.json").read_text())
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p.get("targets", []))
+    used = set(re.findall(r"\b(packrat_[a-z_]+)", exprs))
+    samples = {}
+    for fam in FAMILIES:
+        suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}[fam.kind]
+        samples.update({fam.name + s: fam.name for s in suffixes})
+    assert used - set(samples) == set(), "the dashboard queries metrics nobody exports"
+    assert {f.name for f in FAMILIES} - {samples[u] for u in used} == set(), "families without a panel"
+    assert {p["datasource"]["uid"] for p in dashboard["panels"] if "datasource" in p} == {"${datasource}"}
+
+
 def _compose_cli() -> list[str] | None:
     """A Docker Compose v2 command line, if this machine has one (the development machine does not)."""
     for cmd in (["docker", "compose"], ["docker-compose"]):
@@ -275,7 +347,8 @@ def test_the_resolver_agrees_with_docker_compose(raw: dict[str, Any]) -> None:
     env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/tmp")}
 
     def config(extra: dict[str, str]) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*cli, "-f", str(ROOT / "docker-compose.yml"), "config", "--format", "json"],
+        return subprocess.run([*cli, "-f", str(ROOT / "docker-compose.yml"), "--profile", "monitoring",
+                               "config", "--format", "json"],
                               capture_output=True, text=True, env={**env, **extra}, cwd=ROOT, check=False)
 
     refused = config({})
@@ -286,5 +359,6 @@ def test_the_resolver_agrees_with_docker_compose(raw: dict[str, Any]) -> None:
     assert done.returncode == 0, done.stderr
     real, ours = json.loads(done.stdout)["services"], resolve(raw, extra)["services"]
     for name, service in ours.items():
-        assert real[name]["command"] == [str(a) for a in service["command"]], name
-        assert real[name]["environment"] == {k: str(v) for k, v in service.get("environment", {}).items()}, name
+        command = [str(a) for a in service["command"]] if "command" in service else None
+        assert real[name].get("command") == command, name
+        assert real[name].get("environment", {}) == {k: str(v) for k, v in service.get("environment", {}).items()}, name
