@@ -173,12 +173,13 @@ def count_replies(tally: Tally, grouped: Mapping[str, list[Mapping[str, Any]]], 
         if res == -1:
             tally.count("errors", "undeliverable", n=len(group))
             continue
-        for fields in group:
-            if fields.get("status") == ERROR:
-                tally.count("replies", "error")
+        errors = [fields for fields in group if fields.get("status") == ERROR]
+        if len(errors) < len(group):
+            tally.count("replies", "ok", n=len(group) - len(errors))
+        if errors:
+            tally.count("replies", "error", n=len(errors))
+            for fields in errors:
                 tally.count("errors", error_kind(str(fields.get("error") or "")))
-            else:
-                tally.count("replies", "ok")
 
 
 class Totals:

@@ -336,14 +336,13 @@ class Worker:
         """The sub-batch in the metrics' tally (in memory; the heartbeat publishes it)."""
         tally = self.tally
         assert tally is not None
-        answered_s = time.time()
-        started_s = started_ms / 1000.0
-        enqueued_s = [req.enqueued_ms / 1000.0 for req in requests]
+        answered_ms = time.time() * 1000.0
         tally.observe("sub_batch_size", len(requests))
         if inference_ms > 0:  # 0: nothing ran (every request failed before the handler)
             tally.observe("inference", inference_ms / 1000.0)
-        tally.observe_many("queue", [started_s - e for e in enqueued_s])
-        tally.observe_many("end_to_end", [answered_s - e for e in enqueued_s])
+        enqueued_ms = [req.enqueued_ms for req in requests]
+        tally.observe_many("queue", [(started_ms - e) / 1000.0 for e in enqueued_ms])
+        tally.observe_many("end_to_end", [(answered_ms - e) / 1000.0 for e in enqueued_ms])
         count_replies(tally, grouped, results)
 
 
