@@ -21,6 +21,7 @@ from packrat_mq import protocol
 from packrat_mq.client import Client
 from packrat_mq.deployment import Deployment, InstanceRecord
 from packrat_mq.exposition import FAMILIES, ExporterError, ModelView, render, serve
+from packrat_mq.instances import Configuration
 from packrat_mq.keys import WORKER_GROUP
 from packrat_mq.metrics import HISTOGRAMS, WORKER_HISTOGRAMS, Tally, Totals
 from packrat_mq.records import DispatcherState, InstanceState
@@ -28,6 +29,7 @@ from packrat_mq.settings import Settings
 from packrat_mq.streams import ensure_group
 from packrat_mq.zoo.testing import EchoHandler
 from tests.helpers import hand_out, interrupt, wait_for
+from workers.supervisor import Supervisor
 from workers.worker import Worker, WorkerSpec
 
 MODEL = "m"
@@ -288,3 +290,56 @@ def test_a_running_up_is_scraped_over_http(up: tuple[subprocess.Popen[bytes], st
     # The restarted instance counts from zero; the exporter's sum does not go back.
     assert value(got, "packrat_replies_total", model="echo", status="ok") == 5
     assert proc.poll() is None
+
+
+def test_a_pool_without_its_dispatcher_exports_its_own_families_and_keeps_what_retired_instances_counted(
+    r: redis.Redis, settings: Settings, redis_url: str
+) -> None:
+    on = settings.model_copy(update={"metrics_port": 1, "log_level": "WARNING", "heartbeat_s": 0.2})
+    sup = Supervisor(r, on, redis_url, MODEL, Configuration.parse("1x2"), handler="echo", node="n1",
+                     with_dispatcher=False)
+    try:
+        sup.start(ready_timeout=60)
+        (inst,) = sup.instances
+        now = int(time.time() * 1000)
+        reqs = [protocol.Request(id=f"q{i}", reply_to=settings.keys.replies("c1"), payload=b"{}",
+                                 content_type=protocol.JSON, enqueued_ms=now) for i in range(2)]
+        hand_out(r, settings.keys, MODEL, inst.record.id, reqs)  # as the dispatcher elsewhere would
+        wait_for(lambda: r.xlen(settings.keys.replies("c1")) == 2, 10, "the replies")
+        view = sup.metrics_view()
+        assert view.pool and not view.dispatcher and view.stream is None
+        assert view.instances == {("ready", "active"): 1}
+        names = {m.name for m in render([view])}
+        assert "packrat_instances" in names and "packrat_requests" not in names and "packrat_backlog" not in names
+    finally:
+        sup.stop(timeout=10)
+    # The instance stopped and its record is gone; what it counted stays in the pool's sums.
+    assert not r.exists(settings.keys.instance(MODEL, inst.record.id))
+    view = sup.metrics_view()
+    assert view.tally.counters.get("replies|ok") == 2
+    assert view.tally.histograms["end_to_end"].count == 2
+
+
+@pytest.mark.timeout(180)
+def test_a_node_exports_every_model_it_serves(redis_url: str, r: redis.Redis, prefix: str) -> None:
+    port = free_port()
+    env = dict(os.environ, PACKRAT_LOG_LEVEL="WARNING", PACKRAT_METRICS_PORT=str(port), PACKRAT_HEARTBEAT_S="0.2")
+    base = ["--redis-url", redis_url, "--prefix", prefix]
+    proc = subprocess.Popen([sys.executable, "-m", "packrat_mq", "node", "--node", "mn1", *base], env=env,
+                            stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/metrics"
+    try:
+        wait_for(lambda: r.hget(f"{prefix}:node:mn1", "state") == b"ready", 60, "the node pool")
+        assert "packrat_instances" not in scrape(url)  # nothing served yet
+        res = subprocess.run([sys.executable, "-m", "packrat_mq", "models", "register", "e1", "--handler", "echo",
+                              "--node", "mn1", "--instances", "1x1", *base],
+                             capture_output=True, text=True, timeout=120, env=env)
+        assert res.returncode == 0, res.stderr
+        client = Client(redis_url, prefix=prefix)
+        assert all(rep.ok for rep in client.submit_many("e1", [{}] * 3))
+        client.close()
+        wait_for(lambda: value(scrape(url), "packrat_replies_total", model="e1", status="ok") == 3
+                 and value(scrape(url), "packrat_requests_total", model="e1") == 3, 15, "e1 in the node's metrics")
+        assert value(scrape(url), "packrat_instances", model="e1", state="ready", role="active") == 1
+    finally:
+        interrupt(proc)
