@@ -343,3 +343,20 @@ def test_a_node_exports_every_model_it_serves(redis_url: str, r: redis.Redis, pr
         assert value(scrape(url), "packrat_instances", model="e1", state="ready", role="active") == 1
     finally:
         interrupt(proc)
+
+
+def test_counts_left_in_redis_by_an_earlier_run_are_not_added(r: redis.Redis, settings: Settings,
+                                                               redis_url: str) -> None:
+    on = settings.model_copy(update={"metrics_port": 1})
+    old = Tally()
+    old.count("requests", n=7)
+    # The last record of the previous run's dispatcher: same key, its own counts.
+    DispatcherState(state="stopped", pid=1, heartbeat=time.time() - 5, metrics=old.dump()).save(
+        r, settings.keys.dispatcher(MODEL))
+    sup = Supervisor(r, on, redis_url, MODEL, Configuration.parse("1x1"), handler="echo", node="n1")
+    view = sup.metrics_view()  # nothing started: the instance has no record yet
+    assert "requests" not in view.tally.counters
+    assert view.instances == {("missing", "active"): 1}
+    DispatcherState(state="ready", pid=2, heartbeat=time.time() + 0.001, metrics=old.dump()).save(
+        r, settings.keys.dispatcher(MODEL))
+    assert sup.metrics_view().tally.counters["requests"] == 7

@@ -657,7 +657,12 @@ class Supervisor:
 
     def _absorb(self, instances: list[Instance], dispatcher: bool) -> tuple[dict[str, InstanceState],
                                                                           DispatcherState | None]:
-        """Read the records of ``instances`` (and the dispatcher's) and add their tallies to :attr:`totals`."""
+        """Read the records of ``instances`` (and the dispatcher's) and add their tallies to :attr:`totals`.
+
+        Only tallies written since this supervisor started count: a record
+        left by an earlier run of the same node (same instance ids, the
+        dispatcher's last "stopped") holds that run's counts.
+        """
         pipe = self.r.pipeline(transaction=False)
         for inst in instances:
             pipe.hgetall(self.keys.instance(self.model, inst.record.id))
@@ -671,12 +676,12 @@ class Supervisor:
                 continue
             records[inst.record.id] = rec
             tally = Tally.load(rec.metrics)
-            if tally is not None:
+            if tally is not None and rec.heartbeat >= self._started:
                 self.totals.update(f"instance:{inst.record.id}", rec.pid, tally)
         drec = DispatcherState.parse(raw[-1]) if dispatcher else None
         if drec is not None:
             tally = Tally.load(drec.metrics)
-            if tally is not None:
+            if tally is not None and drec.heartbeat >= self._started:
                 self.totals.update("dispatcher", drec.pid, tally)
         return records, drec
 
