@@ -75,6 +75,8 @@ class Client:
     """Submits requests for models and waits for their replies."""
 
     def __init__(self, r: redis.Redis | str, *, prefix: str = "packrat", client_id: str | None = None) -> None:
+        #: Made from a URL, the connection is the client's own, and close() closes it.
+        self._owns_connection = isinstance(r, str)
         if isinstance(r, str):
             r = connect(r)
         self.r = r
@@ -191,4 +193,9 @@ class Client:
         return (max((rep.received_at for rep in replies), default=start) - start) * 1000.0, replies
 
     def close(self) -> None:
-        self.r.delete(self.reply_to)
+        """Delete this client's reply stream; a client made from a URL also closes its connection."""
+        try:
+            self.r.delete(self.reply_to)
+        finally:
+            if self._owns_connection:
+                self.r.close()

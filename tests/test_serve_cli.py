@@ -10,6 +10,13 @@ from click.testing import CliRunner
 
 from optimizer.planning.profile import MachineInfo, Profile, ProfileEntry, profile_path
 from packrat_mq.cli.serve import ServePlan, choose_configuration, model_and_handler, serving_options
+from packrat_mq.handler import ZOO
+
+
+@pytest.fixture(autouse=True)
+def _toy_in_the_zoo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--model toy`` names a handler, as ``up`` checks before it plans."""
+    monkeypatch.setitem(ZOO, "toy", ZOO["echo"])
 
 
 def test_model_and_handler() -> None:

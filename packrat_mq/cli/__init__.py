@@ -9,26 +9,57 @@ from typing import Any
 import click
 
 from packrat_mq import __version__
-from packrat_mq.cli.helpers import URL_KEY, describe_failure, is_connection_failure
+from packrat_mq.cli.helpers import URL_KEY, describe_failure, err, is_connection_failure
+from packrat_mq.interrupts import exit_code, terminate_as_interrupt
 
 
 class PackratGroup(click.Group):
-    """The command group; a Redis failure escaping any command becomes one line, not a traceback.
+    """The command group: whatever goes wrong ends in one line on stderr, not a traceback.
 
     Connection, authentication and TLS failures, unusable URLs and a missing
     embedded server all end as a ``ClickException`` (exit code 1) that names
-    the URL with its password redacted.
+    the URL with its password redacted. A usage error is one line too (exit
+    code 2). SIGTERM and SIGHUP stop a command as Ctrl-C does: its ``finally``
+    blocks run, so what it started is stopped; it then exits with 128 + the
+    signal's number.
     """
+
+    def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
+                     **extra: Any) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.UsageError as exc:
+            raise _one_line(exc) from None
 
     def invoke(self, ctx: click.Context) -> Any:
         args = list(ctx.args)  # the command's own arguments; invoke() empties ctx.args
         try:
-            return super().invoke(ctx)
+            with terminate_as_interrupt():
+                return super().invoke(ctx)
+        except KeyboardInterrupt as exc:
+            err(f"interrupted by {exc.args[0] if exc.args else 'SIGINT'}")
+            ctx.exit(exit_code(exc))
+        except click.UsageError as exc:
+            raise _one_line(exc) from None
         except Exception as exc:
             if not is_connection_failure(exc) or getattr(exc, "errno", None) == errno.EPIPE:
                 raise
             url = ctx.meta.get(URL_KEY) or _url_in_args(args)
             raise click.ClickException(describe_failure(exc, url)) from None
+
+
+class OneLineUsageError(click.UsageError):
+    """A usage error as one line, ``Error: <what> (try 'packrat-mq up --help')``, instead of click's three."""
+
+    def show(self, file: Any = None) -> None:
+        hint = f" (try '{self.ctx.command_path} --help')" if self.ctx is not None else ""
+        click.echo(f"Error: {self.format_message()}{hint}", file=file, err=file is None)
+
+
+def _one_line(exc: click.UsageError) -> click.UsageError:
+    if isinstance(exc, (OneLineUsageError, click.exceptions.NoArgsIsHelpError)):
+        return exc  # already one line; or the help a bare group prints
+    return OneLineUsageError(exc.format_message(), exc.ctx)
 
 
 def _url_in_args(args: list[str]) -> str | None:

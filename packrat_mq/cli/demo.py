@@ -20,6 +20,7 @@ from packrat_mq.cli.status import collect_status
 from packrat_mq.client import Client
 from packrat_mq.connection import EmbeddedRedis, connect
 from packrat_mq.instances import Configuration
+from packrat_mq.interrupts import exit_code, terminate_as_interrupt
 from packrat_mq.settings import Settings
 from packrat_mq.topology import Topology
 from workers.supervisor import Supervisor
@@ -53,7 +54,17 @@ def _spread(values: list[float]) -> str:
 
 
 def main() -> int:
+    """Run the demo; Ctrl-C or SIGTERM stop it with everything it started (exit 130 / 143)."""
+    try:
+        with terminate_as_interrupt():
+            return _demo()
+    except KeyboardInterrupt as exc:
+        print(f"\ndemo interrupted by {exc.args[0] if exc.args else 'SIGINT'}; what it started is stopped",
+              file=sys.stderr)
+        return exit_code(exc)
 
+
+def _demo() -> int:
     threads = Topology.detect().max_cores_per_socket
     batch = 8
     choice = choose("minilm", threads, batch)
@@ -76,7 +87,7 @@ def main() -> int:
             for inst in service.instances:
                 print(f"  {inst.record.id}: {inst.record.threads} thread(s), batch {inst.record.batch}, "
                       f"cpus {inst.record.cpus}, pid {inst.child.process.pid if inst.child.process else '-'}")
-            client = Client(connect(server.url))
+            client = Client(server.url)
 
             print("\n== real embeddings: most similar sentence for each")
             replies = client.submit_many("minilm", SENTENCES, timeout=120)
@@ -113,7 +124,7 @@ def main() -> int:
         if str(baseline) != str(config):
             print(f"\n== the same bursts on one instance with all {threads} threads (the TorchServe default)")
             with Supervisor(r, settings, server.url, "minilm", baseline):
-                client = Client(connect(server.url))
+                client = Client(server.url)
                 base_batches, base_rate = _bursts(client, batch)
                 client.close()
             print(f"  batch latency {_spread(base_batches)}; {base_rate:.0f} requests/s")

@@ -23,6 +23,7 @@ from packrat_mq.connection import (
     resolve_url,
     scrub,
 )
+from packrat_mq.handler import check_handler
 from packrat_mq.settings import Settings
 
 
@@ -77,6 +78,19 @@ def parse_handler_options(pairs: tuple[str, ...]) -> dict[str, Any]:
         except ValueError:
             out[key] = raw
     return out
+
+
+def require_handler(spec: str, *, here: bool = True) -> None:
+    """``--model`` names a zoo model or an importable ``BaseHandler`` subclass, or one usage line says not.
+
+    Checked before anything starts: a worker that cannot load its handler
+    would only say so after Redis and the other workers were up. ``here=False``:
+    loaded on another node, so only its form is checked.
+    """
+    try:
+        check_handler(spec, here=here)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--model") from None
 
 
 def echo_json(value: Any) -> None:

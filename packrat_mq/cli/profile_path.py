@@ -15,7 +15,7 @@ import click
 from optimizer.calibration import measure_path
 from optimizer.planning.profile import Profile, ProfileError, resolve_profile_path
 from optimizer.profiling.options import power_of_two_batches
-from packrat_mq.cli.helpers import redis_options, url_or_private_redis
+from packrat_mq.cli.helpers import redis_options, require_handler, url_or_private_redis
 from packrat_mq.settings import Settings
 
 
@@ -43,6 +43,7 @@ def path(model: str, profile_ref: str | None, max_batch: int, rounds: int, as_js
       packrat-mq profile path --model minilm
       packrat-mq profile path --model resnet50 --profile profiles/resnet50.graph.json --max-batch 16
     """
+    require_handler(model)
     try:
         file = resolve_profile_path(profile_ref or model)
         prof = Profile.load(file)

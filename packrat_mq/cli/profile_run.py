@@ -16,7 +16,14 @@ from optimizer.planning.profile import DEFAULT_MAX_BATCH
 from optimizer.profiling.jobs import enqueue_profile, profile_queue_name, result_name, worker_command
 from optimizer.profiling.options import QUICK_SCHEDULE, ProfilingError, ProfilingOptions, power_of_two_batches
 from optimizer.profiling.scheduler import profile_model
-from packrat_mq.cli.helpers import connect_or_fail, echo_json, err, parse_handler_options, redis_options
+from packrat_mq.cli.helpers import (
+    connect_or_fail,
+    echo_json,
+    err,
+    parse_handler_options,
+    redis_options,
+    require_handler,
+)
 from packrat_mq.connection import redact
 from packrat_mq.settings import Settings
 
@@ -138,6 +145,8 @@ def run(
         budget_s = schedule.get("budget_s", budget_s)
         if "max_iters" in schedule:
             max_iters = max(max_iters, min_iters)  # --quick --min-iters 30 asks for 30
+    for model in models:
+        require_handler(model, here=not enqueue)  # before a child starts, or a job is queued for nothing
     if output is not None and len(models) > 1:
         raise click.UsageError("-o/--output names one file; give one --model, or leave -o out")
     if max_iters < min_iters:

@@ -14,15 +14,23 @@ from dispatcher.partitioning import latency_from_profile
 from optimizer.planning.profile import Profile, ProfileError
 from optimizer.planning.selection import choose, find_profile, machine_warning
 from packrat_mq import logs
-from packrat_mq.cli.helpers import connect_or_fail, err, parse_handler_options, redis_options, remember_url
+from packrat_mq.cli.helpers import (
+    connect_or_fail,
+    err,
+    parse_handler_options,
+    redis_options,
+    remember_url,
+    require_handler,
+)
 from packrat_mq.connection import EmbeddedRedis, connect, discover_url
 from packrat_mq.exposition import Exporter, ExporterError, Views, serve
 from packrat_mq.handler import ZOO
 from packrat_mq.instances import Configuration, ConfigurationError
+from packrat_mq.interrupts import uninterrupted
 from packrat_mq.keys import check_model_name
 from packrat_mq.settings import Settings
-from packrat_mq.topology import Topology
-from workers.allocation import AllocationError
+from packrat_mq.topology import Topology, format_cpulist
+from workers.allocation import AllocationError, allocate
 from workers.supervisor import Supervisor
 
 #: The models a simulated machine (``--simulate-cores``) may serve: they sleep instead of
@@ -60,9 +68,17 @@ def model_and_handler(model: str, name: str | None) -> tuple[str, str]:
         raise click.BadParameter(str(exc), param_hint="--name") from None
 
 
+def require_cores(config: Configuration, topology: Topology) -> None:
+    """The configuration fits the cores ``topology`` has (this process may use), or one line says how not."""
+    try:
+        allocate(topology, config)
+    except AllocationError as exc:
+        raise click.ClickException(f"{exc}: ask for fewer (--threads, --instances)") from None
+
+
 def choose_configuration(
     model: str, instances: str | None, threads: int | None, batch: int | None, profile: str | None,
-    graph: bool = False, handler: str | None = None, topology: Topology | None = None,
+    graph: bool = False, handler: str | None = None, topology: Topology | None = None, *, fit: bool = False,
 ) -> tuple[Configuration, str | None]:
     """The configuration to serve with, and the profile it came from (if any).
 
@@ -72,14 +88,23 @@ def choose_configuration(
     served in is used (``profiles/<model>.graph.json`` with ``--graph``, else
     ``profiles/<model>.json``). A profile measured on another kind of machine is used
     all the same, with a warning on stderr that says so and how to profile this
-    machine; not on a simulated machine, which no profile was measured on.
+    machine; not on a simulated machine, which no profile was measured on. With
+    ``fit`` the configuration (and ``--threads``) must fit the cores of ``topology``,
+    checked before any of that is said.
     """
     simulated = topology is not None and topology.simulated
+    machine = topology or Topology.detect()
+    if fit and threads is not None and threads > machine.physical_cores:
+        raise click.ClickException(
+            f"--threads {threads}: this process may use {machine.physical_cores} physical cores "
+            f"(cpus {format_cpulist(machine.allowed)}); give --threads {machine.physical_cores} or fewer")
     if instances:
         try:
             config = Configuration.parse(instances)
         except ConfigurationError as exc:
             raise click.BadParameter(str(exc), param_hint="--instances") from None
+        if fit:
+            require_cores(config, machine)
         # A hand-given configuration still has the profile split partial batches.
         try:
             path = find_profile(model, profile, graph=graph)
@@ -96,10 +121,12 @@ def choose_configuration(
                 err(warning)
         return config, str(path) if path else None
     try:
-        choice = choose(model, threads or (topology or Topology.detect()).max_cores_per_socket, batch or 1, profile,
+        choice = choose(model, threads or machine.max_cores_per_socket, batch or 1, profile,
                         graph=graph, handler=handler)
     except ValueError as exc:
         raise click.ClickException(f"optimizer: {exc}") from None
+    if fit:
+        require_cores(choice.configuration, machine)
     err(choice.note)
     if choice.warning and not simulated:
         err(choice.warning)
@@ -179,12 +206,13 @@ def serving_options(func: Callable[..., Any]) -> Callable[..., Any]:
                 node: str | None, name: str | None, exit_with_parent: bool, simulate_cores: int | None,
                 **kwargs: Any) -> Any:
         served, handler = model_and_handler(model, name)
+        require_handler(handler)
         topology = simulated_topology(simulate_cores, handler)
         options = parse_handler_options(option_pairs)
         if ZOO.get(handler, handler) == ZOO["profiled"]:
             profile, options = profiled_profile(served, profile, options, graph)
         config, profile_path = choose_configuration(served, instances, threads, batch, profile, graph, handler,
-                                                    topology)
+                                                    topology, fit=True)
         adaptive = adaptive or (batch is None and instances is None)
         plan = ServePlan(served, handler, config, profile_path, options, node, graph, exit_with_parent,
                          adaptive=adaptive, threads=threads, topology=topology)
@@ -194,7 +222,14 @@ def serving_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _run(settings: Settings, url: str, plan: ServePlan, *, with_dispatcher: bool) -> None:
-    """Start the stack, supervise it until Ctrl-C/SIGTERM, stop it in order."""
+    """Start the stack, supervise it until Ctrl-C/SIGTERM, stop it in order.
+
+    However it ends (a signal, an instance that fails to start, an error),
+    what was started is stopped the same way: dispatcher first, then the
+    instances after they drain. A second signal meanwhile waits until that
+    stop is done (:func:`uninterrupted`); it is bounded by the supervisor's
+    timeouts.
+    """
     config = plan.configuration
     try:
         service = Supervisor(connect(url), settings, url, plan.model, config, handler=plan.handler,
@@ -212,19 +247,26 @@ def _run(settings: Settings, url: str, plan: ServePlan, *, with_dispatcher: bool
                    + (f", predicted {config.predicted_latency_ms:.2f} ms" if config.predicted_latency_ms else "")
                    + (f"; adaptive: B follows the load, {settings.adaptive_min_batch}..{settings.adaptive_max_batch}, "
                       f"planned for T={service.threads_budget}" if plan.adaptive else "; B pinned") + ")")
-        service.start()
-        for inst in service.instances:
-            pid = inst.child.process.pid if inst.child.process else "-"
-            click.echo(f"  instance {inst.record.id}: {inst.record.threads} threads, batch {inst.record.batch}, "
-                       f"cpus {inst.record.cpus}, pid {pid}")
-        click.echo(f"ready: XADD {settings.keys.requests(plan.model)} * id <id> reply_to <stream> payload <bytes> "
-                   f"content_type application/json   (Ctrl-C to stop)")
+        serving = False
         try:
+            try:
+                service.start()
+            except (RuntimeError, TimeoutError) as exc:  # an instance or the dispatcher did not come up
+                raise click.ClickException(f"{plan.model} did not start: {exc}") from None
+            for inst in service.instances:
+                pid = inst.child.process.pid if inst.child.process else "-"
+                click.echo(f"  instance {inst.record.id}: {inst.record.threads} threads, batch {inst.record.batch}, "
+                           f"cpus {inst.record.cpus}, pid {pid}")
+            click.echo(f"ready: XADD {settings.keys.requests(plan.model)} * id <id> reply_to <stream> payload <bytes> "
+                       f"content_type application/json   (Ctrl-C to stop)")
+            serving = True
             service.serve_forever()
         finally:
-            click.echo("stopping: dispatcher, then instances after they drain" if with_dispatcher
-                       else "stopping: instances after they drain")
-            service.stop()
+            with uninterrupted():
+                if serving:
+                    click.echo("stopping: dispatcher, then instances after they drain" if with_dispatcher
+                               else "stopping: instances after they drain")
+                service.stop()
 
 
 @contextlib.contextmanager
@@ -269,17 +311,17 @@ def up(settings: Settings, plan: ServePlan, batch_timeout_ms: float | None) -> N
         updates["batch_timeout_ms"] = batch_timeout_ms
     settings = settings.model_copy(update=updates)
     embedded = None
-    url = settings.redis_url or discover_url()
-    if url is None:
-        embedded = EmbeddedRedis().start()
-        url = embedded.url
-        click.echo(f"embedded Redis at {url} (other packrat-mq commands find it; redis-cli -s {url[7:]})")
-    remember_url(url)
     try:
+        url = settings.redis_url or discover_url()
+        if url is None:
+            embedded = EmbeddedRedis()
+            url = embedded.start().url
+            click.echo(f"embedded Redis at {url} (other packrat-mq commands find it; redis-cli -s {url[7:]})")
+        remember_url(url)
         _run(settings, url, plan, with_dispatcher=True)
     finally:
         if embedded is not None:
-            embedded.stop()
+            embedded.stop()  # last: the instances drained through it
 
 
 @click.command()
