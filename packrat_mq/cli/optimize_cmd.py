@@ -16,7 +16,7 @@ import click
 from optimizer.calibration import calibrate
 from optimizer.planning.profile import Profile, ProfileError
 from optimizer.planning.solving import InfeasibleError, solve
-from packrat_mq.cli.helpers import url_or_private_redis
+from packrat_mq.cli.helpers import require_redis, url_or_private_redis
 from packrat_mq.cli.profile_cmd import load_profile
 from packrat_mq.instances import Configuration
 from packrat_mq.settings import Settings
@@ -107,6 +107,8 @@ def run_calibration(prof: Profile, path: Path, threads: int, batch: int, top_k: 
                     redis_url: str | None, as_json: bool) -> Configuration:
     """Measure the top-k candidates side by side as served; report and record them; return the best."""
     say = (lambda m: click.echo(m, err=True)) if as_json else click.echo
+    if redis_url is not None:
+        require_redis(redis_url)  # one line before any candidate is started, not one per candidate
     try:
         with url_or_private_redis(redis_url) as url:
             best, results = calibrate(prof, url, Settings(redis_url=url, prefix="packrat-calibrate"),

@@ -353,10 +353,18 @@ def dispatch(settings: Settings, model: str, batch_timeout_ms: float | None, pro
     Example:
       packrat-mq dispatch --model resnet50 --redis-url redis://redis:6379/0
     """
+    try:
+        check_model_name(model)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--model") from None
+    try:
+        latency = latency_from_profile(profile) if profile else None
+    except ProfileError as exc:
+        raise click.BadParameter(str(exc), param_hint="--profile") from None
     logs.configure(settings, f"dispatcher {model}")
     if batch_timeout_ms is not None:
         settings = settings.model_copy(update={"batch_timeout_ms": batch_timeout_ms})
     _, url = connect_or_fail(settings)
-    d = Dispatcher(connect(url), settings, model, latency=latency_from_profile(profile) if profile else None)
+    d = Dispatcher(connect(url), settings, model, latency=latency)
     with metrics_endpoint(settings, lambda: [d.metrics_view()]):
         d.serve()
