@@ -59,6 +59,8 @@ def service(r: redis.Redis, redis_url: str, settings: Settings) -> Iterator[Disp
         for t in threads:
             t.join(5)
         assert not any(t.is_alive() for t in threads)
+        for x in (d, *workers):
+            x.r.close()
 
 
 def test_submit(r: redis.Redis, settings: Settings, service: Dispatcher) -> None:
@@ -173,6 +175,7 @@ def test_request_fields_on_the_wire(r: redis.Redis, redis_url: str, prefix: str)
     assert before_ms + 30_000 - 1 <= deadline <= after_ms + 30_000  # 30 s after sending, in whole ms
     req = protocol.parse_request(_, f, max_payload_bytes=100)
     assert req.id == rid and req.deadline_ms == deadline
+    c.close()  # made from a URL: closes its own connection
 
     c.send("m", b'{"a": 1}', content_type=protocol.JSON)
     f2 = r.xrange(f"{prefix}:requests:m")[-1][1]
