@@ -10,8 +10,9 @@ they start anything, so the whole table runs in well under a minute.
 
 Then the ways out of a command that did start things: ``up`` stopped by
 Ctrl-C and by SIGTERM once serving and while starting, ``up`` whose second
-instance fails to load, ``pool`` stopped by SIGTERM, the profiler stopped
-by SIGTERM, and the demo (``make demo``) run to its end and stopped midway.
+instance fails to load, ``pool`` and ``node`` stopped by SIGTERM, the
+profiler stopped by SIGTERM, and the demo (``make demo``) run to its end and
+stopped midway.
 """
 from __future__ import annotations
 
@@ -95,6 +96,27 @@ CASES: dict[str, dict[str, tuple[list[str], str]]] = {
         "unreachable": (["models", "--redis-url", UNREACHABLE], CANNOT_REACH),
         "refused": (["models", "--redis-url", REFUSING], REFUSED),
     },
+    "models register": {
+        "bad arguments": (["models", "register", "x"], "Missing option '--handler'"),
+        "bad model": (["models", "register", "x", "--handler", "nosuch", "--node", "n1", "--redis-url", REDIS,
+                       "--prefix", PREFIX], "unknown model 'nosuch'"),
+        "unreachable": (["models", "register", "x", "--handler", "echo", "--node", "n1", "--redis-url", UNREACHABLE],
+                        CANNOT_REACH),
+        "refused": (["models", "register", "x", "--handler", "echo", "--node", "n1", "--redis-url", REFUSING],
+                    REFUSED),
+    },
+    "models unregister": {
+        "bad arguments": (["models", "unregister"], "Missing argument 'NAME'"),
+        "bad model": (["models", "unregister", "nosuch", "--redis-url", REDIS, "--prefix", PREFIX],
+                      "'nosuch' is not registered"),
+        "unreachable": (["models", "unregister", "x", "--redis-url", UNREACHABLE], CANNOT_REACH),
+        "refused": (["models", "unregister", "x", "--redis-url", REFUSING], REFUSED),
+    },
+    "node": {
+        "bad arguments": (["node", "--bogus"], "No such option '--bogus'"),
+        "unreachable": (["node", "--redis-url", UNREACHABLE], CANNOT_REACH),
+        "refused": (["node", "--redis-url", REFUSING], REFUSED),
+    },
     "optimize": {
         "bad arguments": (["optimize", "-p", "minilm"], "Missing option '--batch'"),
         "unreachable": (["optimize", "-p", "minilm", "-t", "1", "-b", "1", "--calibrate", "--top-k", "1",
@@ -137,14 +159,15 @@ CASES: dict[str, dict[str, tuple[list[str], str]]] = {
 }
 
 
-def _leaf_commands(group: click.Group, path: str = "") -> dict[str, click.Command]:
+def _commands(group: click.Group, path: str = "") -> dict[str, click.Command]:
+    """Every command a user can run: leaves, and groups that run by themselves (``models``)."""
     found: dict[str, click.Command] = {}
     for name, command in group.commands.items():
         full = f"{path} {name}".strip()
-        if isinstance(command, click.Group):
-            found.update(_leaf_commands(command, full))
-        else:
+        if not isinstance(command, click.Group) or command.invoke_without_command:
             found[full] = command
+        if isinstance(command, click.Group):
+            found.update(_commands(command, full))
     return found
 
 
@@ -152,7 +175,7 @@ def _kinds_due(command: click.Command) -> set[str]:
     """The failures a command must be smoke-tested with, from the options it takes."""
     names = {p.name for p in command.params}
     kinds = {"bad arguments"}
-    if names & {"model", "models"}:
+    if names & {"model", "models", "handler"}:
         kinds.add("bad model")
     if "redis_url" in names:
         kinds |= {"unreachable", "refused"}
@@ -162,7 +185,7 @@ def _kinds_due(command: click.Command) -> set[str]:
 
 
 def test_every_command_is_smoke_tested() -> None:
-    commands = _leaf_commands(main)
+    commands = _commands(main)
     assert set(CASES) - {""} == set(commands), "a command was added or removed: give it its rows in CASES"
     for name, command in commands.items():
         missing = _kinds_due(command) - set(CASES[name])
@@ -284,6 +307,19 @@ def test_pool_sigterm_stops_its_instances(redis_url: str, prefix: str) -> None:
     run = started.finish(signal.SIGTERM)
     assert run.returncode == 0, run.stdout
     assert "stopping: instances after they drain" in run.stdout
+    assert not run.leftovers, f"left behind: {run.leftovers}\n{run.stdout}"
+
+
+def test_node_sigterm_stops_every_model(redis_url: str, prefix: str) -> None:
+    started = Started("node", "--node", "smoke", "--redis-url", redis_url, "--prefix", prefix)
+    started.wait_for_output("node smoke: serving", 60)
+    registered = run_cli("models", "register", "e", "--handler", "echo", "-i", "1x1", "--node", "smoke",
+                         "--redis-url", redis_url, "--prefix", prefix)
+    assert registered.returncode == 0, registered.stderr
+    assert any("workers.worker" in p for p in _processes(started)), _processes(started)
+    run = started.finish(signal.SIGTERM)
+    assert run.returncode == 0, run.stdout
+    assert "node smoke: stopping every model" in run.stdout and "Traceback" not in run.stdout, run.stdout
     assert not run.leftovers, f"left behind: {run.leftovers}\n{run.stdout}"
 
 

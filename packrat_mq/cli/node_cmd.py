@@ -6,6 +6,7 @@ import click
 from packrat_mq import logs
 from packrat_mq.cli.helpers import connect_or_fail, redis_options
 from packrat_mq.cli.serve import metrics_endpoint
+from packrat_mq.interrupts import uninterrupted
 from packrat_mq.settings import Settings
 from workers.node import NodePool
 
@@ -33,12 +34,13 @@ def node(settings: Settings, node: str | None) -> None:
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--node") from None
     with metrics_endpoint(settings, pool.metrics_views):
-        pool.start()
-        click.echo(f"node {pool.node}: serving {', '.join(sorted(pool.supervisors)) or 'nothing yet'}; "
-                   f"register models with `packrat-mq models register NAME --handler H --node {pool.node}` "
-                   "(Ctrl-C to stop)")
         try:
+            pool.start()
+            click.echo(f"node {pool.node}: serving {', '.join(sorted(pool.supervisors)) or 'nothing yet'}; "
+                       f"register models with `packrat-mq models register NAME --handler H --node {pool.node}` "
+                       "(Ctrl-C to stop)")
             pool.serve_forever()
         finally:
-            click.echo(f"node {pool.node}: stopping every model (dispatchers first, queues drained)")
-            pool.stop()
+            with uninterrupted():  # interrupted while starting too: what started stops, in order
+                click.echo(f"node {pool.node}: stopping every model (dispatchers first, queues drained)")
+                pool.stop()

@@ -209,7 +209,7 @@ def _live_nodes(settings: Settings) -> list[str]:
 @click.option("--timeout", type=click.FloatRange(min=0.1), default=600.0, show_default=True,
               help="Seconds to wait for the model's instances to be ready.")
 @click.option("--json", "as_json", is_flag=True, help="Print the reply as one JSON object.")
-@redis_options
+@redis_options(check=True)  # connected before "registering ..." is said
 def register(settings: Settings, name: str, handler: str, node: str | None, option_pairs: tuple[str, ...],
              instances: str | None, batch: int | None, threads: int | None, timeout: float, as_json: bool) -> None:
     """Register model NAME on a node: its pool (`packrat-mq node`) starts serving it.
