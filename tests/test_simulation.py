@@ -186,10 +186,11 @@ def test_simulated_plan_defaults_t_to_the_simulated_cores_and_shares_the_profile
     assert str(plan.configuration) == "8x4,8x4" and plan.configuration.threads == 16
     assert plan.profile_path == str(path) and plan.options["profile"] == str(path.resolve())
     assert "T=16, B=8" in note and "another machine" not in note
-    # --profile alone is what the instances sleep by as well.
-    plan, _ = _plan("--model", "profiled", "--profile", str(path), "-t", "8", "-b", "4")
+    # --profile alone is what the instances sleep by as well. Not simulated, the plan must fit
+    # this machine's cores (up refuses -t 8 on 2 before starting anything): T=2.
+    plan, _ = _plan("--model", "profiled", "--profile", str(path), "-t", "2", "-b", "4")
     assert plan.options["profile"] == str(path.resolve()) and plan.topology is None
-    assert str(plan.configuration) == "8x4"
+    assert str(plan.configuration) == "1x2,1x2"
 
 
 def test_profiled_without_any_profile_is_one_line() -> None:
