@@ -202,13 +202,24 @@ class Monitor(threading.Thread):
         self.keys = Keys(prefix)
         self.model = model
         self.samples: list[dict[str, Any]] = []
+        #: Every reconfiguration seen (the model's own history keeps only the last 10), by decision time.
+        self.history: dict[float, dict[str, Any]] = {}
         self.stop_event = threading.Event()
 
+    def collect_history(self) -> None:
+        for raw in self.r.lrange(self.keys.reconfigurations(self.model), 0, -1):
+            entry = json.loads(raw)
+            self.history[entry["decided"]] = entry
+
     def run(self) -> None:
+        k = 0
         while not self.stop_event.wait(0.1):
             try:
                 d = DispatcherState.load(self.r, self.keys.dispatcher(self.model))
                 length = self.r.xlen(self.keys.requests(self.model))
+                k += 1
+                if k % 10 == 0:
+                    self.collect_history()
             except Exception:  # noqa: BLE001 - a missed sample is a gap in the plot
                 continue
             self.samples.append({"at": time.time(), "batch": d.batch if d else None,
@@ -260,8 +271,9 @@ def run_setup(name: str, args: argparse.Namespace, url: str, phases: list[Phase]
         driver.run(phases)
     finally:
         monitor.stop_event.set()
-        r = connect(url)
-        history = [json.loads(x) for x in r.lrange(Keys(prefix).reconfigurations(args.model), 0, -1)][::-1]
+        monitor.join(5)
+        monitor.collect_history()
+        history = [monitor.history[k] for k in sorted(monitor.history)]
         proc.send_signal(signal.SIGINT)
         try:
             proc.wait(60)
@@ -398,6 +410,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         tl = a["timeline"]
         ax2.step([x["t"] for x in tl], [x["batch"] or 0 for x in tl], where="post", label="B (adaptive)")
         ax2.plot([x["t"] for x in tl], [x["q_tilde"] or 0 for x in tl], lw=0.8, label="Q̃")
+        ax2.set_yscale("symlog", linthresh=32)
         ax2.set_ylabel("batch")
         ax2.legend(loc="upper right")
         ax3.plot([x["t"] for x in tl], [x["length"] for x in tl], lw=0.8, label="adaptive")
