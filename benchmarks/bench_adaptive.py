@@ -134,6 +134,8 @@ class Driver:
     def read_replies(self) -> None:
         last = "0"
         while not self._stop.is_set() or len(self.replies) < len(self.sent):
+            if self._stop.is_set() and time.monotonic() - self._trace_end > self.drain_max_s:
+                return  # a setup that cannot keep up, still answering: what it holds is unanswered
             resp = self.reader_r.xread({self.reply_to: last}, count=1000, block=200)
             if not resp:
                 if self._stop.is_set() and self._drained():
