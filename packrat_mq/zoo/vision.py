@@ -88,15 +88,15 @@ class ImageClassifierHandler(BaseHandler):
         self._decoders: ThreadPoolExecutor | None = None
 
     def initialize(self, context: Context) -> None:
-        max_pixels = context.options.get("max_pixels", MAX_PIXELS)
-        if isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels < MIN_SIDE * MIN_SIDE:
-            raise ValueError(f"max_pixels must be an integer of at least {MIN_SIDE * MIN_SIDE}, got {max_pixels!r}")
-        self.max_pixels = max_pixels
+        """Options: ``max_pixels`` (largest image file, default 40 megapixels), ``decode_threads``
+        (files of a sub-batch decoded at once, default the instance's threads)."""
+        self.max_pixels = _int_option(context, "max_pixels", MAX_PIXELS, MIN_SIDE * MIN_SIDE)
+        decode_threads = _int_option(context, "decode_threads", context.threads, 1)
         super().initialize(context)
-        if context.threads > 1:
+        if decode_threads > 1:
             # Decoding releases the GIL (Pillow's decoders, torch's resize): an instance of t
             # threads decodes t files at once rather than one after the other on one of its cores.
-            self._decoders = ThreadPoolExecutor(context.threads, thread_name_prefix="decode")
+            self._decoders = ThreadPoolExecutor(decode_threads, thread_name_prefix="decode")
 
     def example_batch(self, n: int) -> list[Input]:
         rng = np.random.default_rng(self.seed)
@@ -152,9 +152,8 @@ class ImageClassifierHandler(BaseHandler):
                 if im.format == "JPEG":
                     im.draft("RGB", _short_side_to(width, height, self.resize))
                 im.load()
-                image = ImageOps.exif_transpose(im)
-                if image.mode != "RGB":
-                    image = image.convert("RGB")
+                ImageOps.exif_transpose(im, in_place=True)  # a phone's portrait photo stands up
+                image = im if im.mode == "RGB" else im.convert("RGB")
                 pixels = np.asarray(image)
         except BadRequest:
             raise
@@ -265,6 +264,13 @@ class InceptionV3Handler(ImageClassifierHandler):
         from torchvision.models import inception_v3
 
         return inception_v3(weights=None, aux_logits=False, init_weights=False)
+
+
+def _int_option(context: Context, name: str, default: int, least: int) -> int:
+    value = context.options.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name} must be an integer of at least {least}, got {value!r}")
+    return value
 
 
 def _short_side_to(width: int, height: int, side: int) -> tuple[int, int]:
