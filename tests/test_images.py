@@ -222,6 +222,9 @@ def test_bad_files_fail_alone_and_the_rest_of_the_batch_is_answered(handler: Tin
     # Bytes that never passed the worker's signature check (a handler used on its own) fail as clearly.
     [text] = run_batch(handler, [Input(id="t", data=b"plain text", content_type=protocol.PNG)]).outcomes
     assert text.error == "payload is not a readable PNG image: no valid PNG header (a corrupt file, or another format)"
+    [raw] = run_batch(handler, [item(JPEG, protocol.BYTES)]).outcomes
+    assert raw.error.startswith(f"got {len(JPEG)} bytes as application/octet-stream; send an image file as "
+                                "image/jpeg, image/png, image/webp (its content_type)")
     # A file's answer does not depend on its neighbours.
     [alone] = run_batch(handler, [item(JPEG, protocol.JPEG)]).outcomes
     assert same_answer(alone.value, outcomes["jpeg"].value)

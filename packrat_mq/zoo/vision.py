@@ -187,6 +187,9 @@ class ImageClassifierHandler(BaseHandler):
                 data = np.asarray(data)
             except ValueError as exc:  # ragged nested lists
                 raise BadRequest(f"image is not a rectangular nested list; {expected}") from exc
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            raise BadRequest(f"got {len(data)} bytes as {item.content_type}; send an image file as "
+                             f"{', '.join(PIL_FORMATS)} (its content_type), or an array: {expected}")
         if not isinstance(data, np.ndarray):
             raise BadRequest(f"got {type(data).__name__} ({item.content_type}); {expected}")
         if data.ndim != 3 or 3 not in (data.shape[0], data.shape[-1]):
