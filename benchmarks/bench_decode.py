@@ -24,7 +24,9 @@ to RGB, resize the short side to 256 (antialiased bilinear), center-crop
 Timed with torch on one thread (as a 1-thread instance runs it; decoding is
 single-threaded in both libraries anyway), interleaved: each round times every
 method on every image ``--iters`` times and keeps the median; the report is
-the median of the round medians with their min-max. ``diff`` is each method's
+the median of the round medians with their min-max, in CPU time of the
+calling thread (where all the work runs: on a shared machine it counts the
+work, not the waits for a core) and in wall time. ``diff`` is each method's
 mean absolute difference from ``pillow`` on the normalised tensor (in units of
 the standard deviation), to show what DCT scaling changes.
 
@@ -39,7 +41,10 @@ batch's wall time, with the sub-batch's files decoded one after the other
 (``decode_threads=1``) and two at a time (the default, the instance's
 threads), A/B in alternating runs.
 
-Run: ``python -m benchmarks.bench_decode [--rounds 5] [--iters 40] [--serve --serve-runs 2]``.
+Several runs (``--runs``) are summarised as the median of their medians with
+the runs' min-max.
+
+Run: ``python -m benchmarks.bench_decode [--runs 3] [--rounds 5] [--iters 25] [--serve --serve-runs 4]``.
 """
 from __future__ import annotations
 
@@ -159,10 +164,11 @@ def handler_path(handler: vision.ImageClassifierHandler, content_type: str) -> C
     return run
 
 
-def time_once(fn: Callable[[bytes], Any], payload: bytes) -> float:
-    start = time.perf_counter()
+def time_once(fn: Callable[[bytes], Any], payload: bytes) -> tuple[float, float]:
+    """Wall and CPU milliseconds of one call (CPU: this thread's, where all the work runs with torch on one thread)."""
+    cpu, start = time.thread_time(), time.perf_counter()
     fn(payload)
-    return (time.perf_counter() - start) * 1000.0
+    return (time.perf_counter() - start) * 1000.0, (time.thread_time() - cpu) * 1000.0
 
 
 def run(rounds: int, iters: int, warmup: int = 3) -> dict[str, Any]:
@@ -183,6 +189,7 @@ def run(rounds: int, iters: int, warmup: int = 3) -> dict[str, Any]:
         "handler": lambda ct: handler_path(handler, ct),
     }
     medians: dict[tuple[str, str], list[float]] = {(m, i): [] for m in methods for i in images}
+    cpu_medians: dict[tuple[str, str], list[float]] = {(m, i): [] for m in methods for i in images}
     for name, (payload, ct) in images.items():
         for method, make in methods.items():
             for _ in range(warmup):
@@ -191,17 +198,21 @@ def run(rounds: int, iters: int, warmup: int = 3) -> dict[str, Any]:
         for name, (payload, ct) in images.items():
             for method, make in methods.items():
                 fn = make(ct)
-                medians[(method, name)].append(statistics.median(time_once(fn, payload) for _ in range(iters)))
+                wall, cpu = zip(*(time_once(fn, payload) for _ in range(iters)))
+                medians[(method, name)].append(statistics.median(wall))
+                cpu_medians[(method, name)].append(statistics.median(cpu))
     results = []
     for name, (payload, ct) in images.items():
         reference = pillow(payload)
         for method, make in methods.items():
             out = make(ct)(payload)
             assert out.shape == (3, CROP, CROP), (method, name, out.shape)
-            ms = medians[(method, name)]
+            ms, cpu = medians[(method, name)], cpu_medians[(method, name)]
             results.append({
                 "image": name, "bytes": len(payload), "method": method,
                 "median_ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms), "round_medians_ms": ms,
+                "cpu_median_ms": statistics.median(cpu), "cpu_min_ms": min(cpu), "cpu_max_ms": max(cpu),
+                "cpu_round_medians_ms": cpu,
                 "diff": float((out - reference).abs().mean()),
             })
     import PIL
@@ -321,31 +332,57 @@ def serve_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def table(result: dict[str, Any]) -> str:
-    lines = ["| image | bytes | method | median ms | min-max ms | diff |", "|---|---|---|---|---|---|"]
-    for row in result["results"]:
-        lines.append(f"| {row['image']} | {row['bytes']:,} | {row['method']} | {row['median_ms']:.2f} | "
-                     f"{row['min_ms']:.2f}-{row['max_ms']:.2f} | {row['diff']:.3f} |")
+def across_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per image and method: the median of the runs' medians, with the runs' min-max."""
+    rows: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for one in runs:
+        for row in one["results"]:
+            rows.setdefault((row["image"], row["method"]), []).append(row)
+    out = []
+    for (image, method), got in rows.items():
+        cpu, wall = [r["cpu_median_ms"] for r in got], [r["median_ms"] for r in got]
+        out.append({"image": image, "bytes": got[0]["bytes"], "method": method, "runs": len(got),
+                    "cpu_ms": _spread(cpu), "wall_ms": _spread(wall), "diff": got[0]["diff"]})
+    return out
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| image | bytes | method | CPU ms | min-max | wall ms | min-max | diff |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        cpu, wall = row["cpu_ms"], row["wall_ms"]
+        lines.append(f"| {row['image']} | {row['bytes']:,} | {row['method']} | {cpu['median']:.2f} | "
+                     f"{cpu['min']:.2f}-{cpu['max']:.2f} | {wall['median']:.2f} | "
+                     f"{wall['min']:.2f}-{wall['max']:.2f} | {row['diff']:.3f} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--iters", type=int, default=40)
+    ap.add_argument("--runs", type=int, default=3, help="runs of the per-image measurement")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per run")
+    ap.add_argument("--iters", type=int, default=25, help="calls per method, image and round")
     ap.add_argument("--serve", action="store_true", help="also measure served requests (resnet50, B=1 and B=8)")
     ap.add_argument("--serve-runs", type=int, default=2)
     ap.add_argument("--serve-rounds", type=int, default=20, help="requests per payload kind per run at B=1")
     ap.add_argument("--serve-batches", type=int, default=8, help="batches per payload kind per run at B=8")
     ap.add_argument("--json-out", type=Path, default=RESULTS / "decode.json")
     args = ap.parse_args(argv)
-    result = run(args.rounds, args.iters)
-    result["date"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    print(table(result), flush=True)
+    load_before = os.getloadavg()
+    runs = [run(args.rounds, args.iters) for _ in range(args.runs)]
+    result: dict[str, Any] = {
+        "benchmark": "decode", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": {**runs[0]["machine"], "cpus": os.cpu_count()},
+        "runs": args.runs, "rounds": args.rounds, "iters": args.iters, "torch_threads": 1,
+        "summary": across_runs(runs), "raw": [r["results"] for r in runs],
+    }
+    print(table(result["summary"]), flush=True)
     if args.serve:
         os.environ.setdefault("PACKRAT_LOG_LEVEL", "WARNING")
         result["serve"] = serve(args.serve_runs, args.serve_rounds, args.serve_batches)
         print(serve_table(result["serve"]["summary"]))
+    # The machine may be shared: what else ran is part of the figures.
+    result["load_average_1min"] = {"before": load_before[0], "after": os.getloadavg()[0]}
     args.json_out.parent.mkdir(parents=True, exist_ok=True)
     args.json_out.write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
                         + (["--runs", "1", "--quick"] if args.quick else ["--runs", "3"]))
     print("\n== decoding images (Pillow vs torchvision, per image)", flush=True)
     bench_decode.main(["--json-out", str(out / "decode.json")]
-                      + (["--rounds", "2", "--iters", "10"] if args.quick else ["--serve"]))
+                      + (["--runs", "1", "--rounds", "2", "--iters", "10"] if args.quick else ["--serve"]))
     print("\n== configurations (chosen vs all-thread vs single-thread)", flush=True)
     bench_configs.main(["--json-out", str(out / "configs.json")]
                        + (["--models", "minilm", "--batches", "1,8", "--rounds", "3"] if args.quick else []))
