@@ -30,6 +30,10 @@ work, not the waits for a core) and in wall time. ``diff`` is each method's
 mean absolute difference from ``pillow`` on the normalised tensor (in units of
 the standard deviation), to show what DCT scaling changes.
 
+Then a sub-batch of eight JPEGs is decoded as a 2-thread instance does it,
+one file after the other (``decode_threads=1``) against two at a time (the
+default), interleaved (``--no-parallel`` skips it).
+
 ``--serve`` then measures what decoding costs a served request, against
 ResNet-50's own time: the zoo's ``resnet50`` behind the real dispatcher and
 worker (embedded Redis), fed the same picture as a ready ``uint8`` 224x224
@@ -67,7 +71,7 @@ from PIL import Image
 from packrat_mq import protocol
 from packrat_mq.client import Client
 from packrat_mq.connection import EmbeddedRedis, connect
-from packrat_mq.handler import Input
+from packrat_mq.handler import Context, Input
 from packrat_mq.instances import Configuration
 from packrat_mq.settings import Settings
 from packrat_mq.zoo import vision
@@ -300,6 +304,13 @@ def serve(runs: int, rounds_b1: int, rounds_b8: int) -> dict[str, Any]:
                 res = serve_b8(server.url, rounds_b8, threads)
                 out["b8"].append({"decode_threads": threads, **res})
                 print(f"serve run {k + 1}/{runs}, B=8, decode_threads={threads}: {json.dumps(res)}", file=sys.stderr)
+    return {"runs": runs, "rounds_b1": rounds_b1, "rounds_b8": rounds_b8, "summary": summarise(out), "raw": out}
+
+
+def summarise(out: dict[str, Any]) -> dict[str, Any]:
+    """Medians across runs with min-max; what a file costs over the ready array is paired within each run
+    (the same instance, requests interleaved), which a shared machine's load changes far less than the
+    absolute figures."""
     summary: dict[str, Any] = {"b1": {}, "b8": {}}
     for name in out["b1"][0]:
         summary["b1"][name] = {field: _spread([run[name][field] for run in out["b1"]])
@@ -313,7 +324,10 @@ def serve(runs: int, rounds_b1: int, rounds_b8: int) -> dict[str, Any]:
             name: {field: _spread([run[name][field] for run in rows if run[name][field] is not None])
                    for field in ("batch_p50_ms", "inference_p50_ms")}
             for name in rows[0] if name != "decode_threads"}
-    return {"runs": runs, "rounds_b1": rounds_b1, "rounds_b8": rounds_b8, "summary": summary, "raw": out}
+        for name, row in summary["b8"][f"decode_threads={threads}"].items():
+            row["extra_batch_ms"] = _spread([run[name]["batch_p50_ms"] - run["npy-224-uint8"]["batch_p50_ms"]
+                                             for run in rows if run[name]["batch_p50_ms"] is not None])
+    return summary
 
 
 def serve_table(summary: dict[str, Any]) -> str:
@@ -325,11 +339,45 @@ def serve_table(summary: dict[str, Any]) -> str:
     for name, row in summary["b1"].items():
         lines.append(f"{name} | {cell(row['latency_p50_ms'])} | {cell(row['inference_p50_ms'])} | "
                      f"{cell(row['extra_latency_ms'])}")
-    lines += ["", "B=8, one 2-thread instance | batch p50 ms | inference_ms p50", "---|---|---"]
+    lines += ["", "B=8, one 2-thread instance | batch p50 ms | inference_ms p50 | over the array ms", "---|---|---|---"]
     for threads, rows in summary["b8"].items():
         for name, row in rows.items():
-            lines.append(f"{name}, {threads} | {cell(row['batch_p50_ms'])} | {cell(row['inference_p50_ms'])}")
+            lines.append(f"{name}, {threads} | {cell(row['batch_p50_ms'])} | {cell(row['inference_p50_ms'])} | "
+                         f"{cell(row['extra_batch_ms'])}")
     return "\n".join(lines)
+
+
+def parallel(rounds: int, iters: int, batch: int = 8) -> dict[str, Any]:
+    """A sub-batch of ``batch`` files validated (decoded) by an instance of 2 threads: one file after the
+    other (``decode_threads=1``) against two at a time (the default), interleaved; wall ms per sub-batch."""
+    torch.set_num_threads(2)
+    handlers = {}
+    for threads in (1, 2):
+        h = vision.ResNet50Handler()
+        h.initialize(Context(model_name="resnet50", threads=2, batch_size=batch, options={"decode_threads": threads}))
+        handlers[threads] = h
+    files = {"jpeg-640x480": encode(photo(640, 480), "JPEG"), "jpeg-1920x1080": encode(photo(1920, 1080), "JPEG")}
+    medians: dict[tuple[str, int], list[float]] = {(name, t): [] for name in files for t in handlers}
+    for k in range(rounds + 1):
+        for name, payload in files.items():
+            for threads, h in handlers.items():
+                times = []
+                for _ in range(iters):
+                    items = [Input(id=str(i), data=payload, content_type=protocol.JPEG) for i in range(batch)]
+                    start = time.perf_counter()
+                    rejected = h.validate_all(items)
+                    times.append((time.perf_counter() - start) * 1000.0)
+                    assert not any(rejected), rejected
+                if k > 0:  # the first round warms up
+                    medians[(name, threads)].append(statistics.median(times))
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {"batch": batch, "rounds": rounds, "iters": iters, "images": {}}
+    for name in files:
+        one, two = medians[(name, 1)], medians[(name, 2)]
+        out["images"][name] = {"decode_threads=1_ms": _spread(one), "decode_threads=2_ms": _spread(two),
+                               "ratio": _spread([b / a for a, b in zip(one, two)]),
+                               "raw": {"decode_threads=1": one, "decode_threads=2": two}}
+    return out
 
 
 def across_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -362,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=3, help="runs of the per-image measurement")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per run")
     ap.add_argument("--iters", type=int, default=25, help="calls per method, image and round")
+    ap.add_argument("--no-parallel", dest="parallel", action="store_false",
+                    help="skip decoding a sub-batch of 8 files one at a time against two at a time")
     ap.add_argument("--serve", action="store_true", help="also measure served requests (resnet50, B=1 and B=8)")
     ap.add_argument("--serve-runs", type=int, default=2)
     ap.add_argument("--serve-rounds", type=int, default=20, help="requests per payload kind per run at B=1")
@@ -377,6 +427,13 @@ def main(argv: list[str] | None = None) -> int:
         "summary": across_runs(runs), "raw": [r["results"] for r in runs],
     }
     print(table(result["summary"]), flush=True)
+    if args.parallel:
+        result["parallel"] = parallel(args.rounds, args.iters)
+        for name, row in result["parallel"]["images"].items():
+            one, two, ratio = row["decode_threads=1_ms"], row["decode_threads=2_ms"], row["ratio"]
+            print(f"8 x {name}, 2-thread instance: one at a time {one['median']:.1f} ms ({one['min']:.1f}-{one['max']:.1f}), "
+                  f"two at a time {two['median']:.1f} ms ({two['min']:.1f}-{two['max']:.1f}), "
+                  f"ratio {ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f})", flush=True)
     if args.serve:
         os.environ.setdefault("PACKRAT_LOG_LEVEL", "WARNING")
         result["serve"] = serve(args.serve_runs, args.serve_rounds, args.serve_batches)
