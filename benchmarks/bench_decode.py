@@ -65,7 +65,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import PIL
 import torch
+import torchvision
 from PIL import Image
 
 from packrat_mq import protocol
@@ -219,14 +221,7 @@ def run(rounds: int, iters: int, warmup: int = 3) -> dict[str, Any]:
                 "cpu_round_medians_ms": cpu,
                 "diff": float((out - reference).abs().mean()),
             })
-    import PIL
-    import torchvision
-
-    return {
-        "benchmark": "decode", "rounds": rounds, "iters": iters, "torch_threads": 1, "results": results,
-        "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
-                    "torch": torch.__version__, "torchvision": torchvision.__version__, "pillow": PIL.__version__},
-    }
+    return {"rounds": rounds, "iters": iters, "results": results}
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -407,7 +402,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", type=int, default=3, help="runs of the per-image measurement")
+    ap.add_argument("--runs", type=int, default=3, help="runs of the per-image measurement (0: none)")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per run")
     ap.add_argument("--iters", type=int, default=25, help="calls per method, image and round")
     ap.add_argument("--no-parallel", dest="parallel", action="store_false",
@@ -422,11 +417,14 @@ def main(argv: list[str] | None = None) -> int:
     runs = [run(args.rounds, args.iters) for _ in range(args.runs)]
     result: dict[str, Any] = {
         "benchmark": "decode", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": {**runs[0]["machine"], "cpus": os.cpu_count()},
+        "machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                    "python": platform.python_version(), "torch": torch.__version__,
+                    "torchvision": torchvision.__version__, "pillow": PIL.__version__},
         "runs": args.runs, "rounds": args.rounds, "iters": args.iters, "torch_threads": 1,
         "summary": across_runs(runs), "raw": [r["results"] for r in runs],
     }
-    print(table(result["summary"]), flush=True)
+    if runs:  # --runs 0 measures only what follows
+        print(table(result["summary"]), flush=True)
     if args.parallel:
         result["parallel"] = parallel(args.rounds, args.iters)
         for name, row in result["parallel"]["images"].items():
