@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from benchmarks import bench_configs, bench_optimizer, bench_overhead
+from benchmarks import bench_configs, bench_decode, bench_optimizer, bench_overhead
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -27,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\n== serving overhead (echo)", flush=True)
     bench_overhead.main(["--json-out", str(out / "overhead.json")]
                         + (["--runs", "1", "--quick"] if args.quick else ["--runs", "3"]))
+    print("\n== decoding images (Pillow vs torchvision, per image)", flush=True)
+    bench_decode.main(["--json-out", str(out / "decode.json")]
+                      + (["--runs", "1", "--rounds", "2", "--iters", "10"] if args.quick else ["--serve"]))
     print("\n== configurations (chosen vs all-thread vs single-thread)", flush=True)
     bench_configs.main(["--json-out", str(out / "configs.json")]
                        + (["--models", "minilm", "--batches", "1,8", "--rounds", "3"] if args.quick else []))

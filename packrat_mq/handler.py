@@ -56,7 +56,11 @@ class BaseHandler:
     - ``example_batch(n)`` returns an input batch of ``n`` for warm-up,
       TorchScript tracing and profiling.
     - ``validate(item)`` raises :class:`BadRequest` for an input the model
-      cannot take (checked per request, before batching).
+      cannot take (checked per request, before batching); it may also
+      replace ``item.data`` with what ``preprocess`` wants (a decoded image).
+    - ``validate_all(items)`` validates a sub-batch's requests, one after the
+      other; a handler whose ``validate`` is costly and releases the GIL may
+      run them in threads.
     - ``preprocess(items)`` turns a list of inputs into the model's batch.
     - ``inference(batch)`` runs the model under ``torch.inference_mode()``.
     - ``postprocess(output)`` returns one JSON-able value, ``numpy`` array or
@@ -94,6 +98,18 @@ class BaseHandler:
     # --- per batch ----------------------------------------------------
     def validate(self, item: Input) -> None:
         """Reject a single request (raise :class:`BadRequest`); default accepts all."""
+
+    def validate_all(self, items: list[Input]) -> list[Exception | None]:
+        """``validate`` each request: per request, the exception it raised, or None."""
+        return [self.rejection(item) for item in items]
+
+    def rejection(self, item: Input) -> Exception | None:
+        """What ``validate`` raised for ``item``, or None if it accepted it."""
+        try:
+            self.validate(item)
+        except Exception as exc:  # noqa: BLE001 - any rejection is the producer's to read
+            return exc
+        return None
 
     def preprocess(self, items: list[Input]) -> Any:
         return [item.data for item in items]
@@ -172,17 +188,26 @@ def run_batch(handler: BaseHandler, items: list[Input]) -> BatchResult:
     Requests that fail ``validate`` are answered with their own error and left
     out of the batch; the others run together. A handler exception or a
     wrong-length output fails every request of that batch and nothing else.
+    ``inference_ms`` is the handler's whole time, validation included (where
+    image files are decoded).
     """
     outcomes: list[Outcome | None] = [None] * len(items)
     valid: list[int] = []
-    for i, item in enumerate(items):
-        try:
-            handler.validate(item)
-        except Exception as exc:  # noqa: BLE001 - any rejection is the producer's to read
-            outcomes[i] = Outcome(error=_describe(exc))
-        else:
-            valid.append(i)
     start = time.perf_counter()
+    try:
+        rejections = list(handler.validate_all(items))
+        if len(rejections) != len(items):
+            raise RuntimeError(f"handler {type(handler).__name__}.validate_all returned {len(rejections)} "
+                               f"results for {len(items)} requests; it must return one per request")
+    except Exception as exc:  # noqa: BLE001 - the batch fails, the worker lives on
+        message = f"inference failed for this batch: {_describe(exc)}"
+        elapsed = (time.perf_counter() - start) * 1000.0
+        return BatchResult(outcomes=[Outcome(error=message) for _ in items], inference_ms=elapsed)
+    for i, rejection in enumerate(rejections):
+        if rejection is None:
+            valid.append(i)
+        else:
+            outcomes[i] = Outcome(error=_describe(rejection))
     if valid:
         try:
             results = handler.handle([items[i] for i in valid])

@@ -7,7 +7,9 @@ Any Redis client can produce (see docs/protocol.md)::
 
 and reads one reply per request from ``reply_to``. Payloads are decoded by
 content type, never unpickled: JSON, numpy ``.npy`` (``allow_pickle=False``),
-UTF-8 text or raw bytes.
+UTF-8 text, raw bytes, or JPEG/PNG/WebP images (checked by their first bytes
+here; their pixels are decoded by the handler that takes them, so the core
+needs no image library).
 
 Validation is split where it is cheapest: the dispatcher checks the fields
 (``parse_request``) so a malformed message never reaches a worker; the worker
@@ -27,7 +29,11 @@ JSON = "application/json"
 NPY = "application/x-npy"
 TEXT = "text/plain"
 BYTES = "application/octet-stream"
-CONTENT_TYPES = (JSON, NPY, TEXT, BYTES)
+JPEG = "image/jpeg"
+PNG = "image/png"
+WEBP = "image/webp"
+IMAGE_TYPES = (JPEG, PNG, WEBP)
+CONTENT_TYPES = (JSON, NPY, TEXT, BYTES, *IMAGE_TYPES)
 
 OK = "ok"
 ERROR = "error"
@@ -273,6 +279,8 @@ def decode_payload(content_type: str, payload: bytes) -> Any:
             return payload.decode("utf-8")
         if content_type == BYTES:
             return payload
+        if content_type in IMAGE_TYPES:
+            return _check_image(content_type, payload)
     except PayloadError:
         raise
     except UnicodeDecodeError as exc:
@@ -291,6 +299,29 @@ def _decode_json(payload: bytes) -> Any:
     # first bytes and then reports a misleading 'utf-16-le' error.
     text = payload.decode("utf-8")
     return json.loads(text)
+
+
+def sniff_content_type(payload: bytes) -> str | None:
+    """The content type a payload's first bytes announce (a JPEG, PNG or WebP image, a ``.npy`` array), or None."""
+    head = bytes(payload[:12])
+    if head.startswith(b"\xff\xd8\xff"):
+        return JPEG
+    if head.startswith(b"\x89PNG\r\n\x1a\n"):
+        return PNG
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return WEBP
+    if head.startswith(b"\x93NUMPY"):
+        return NPY
+    return None
+
+
+def _check_image(content_type: str, payload: bytes) -> bytes:
+    """The image's bytes, once their signature says they are the image type claimed."""
+    found = sniff_content_type(payload)
+    if found != content_type:
+        what = f"they are {found}" if found else f"they begin {bytes(payload[:8])!r}"
+        raise PayloadError(f"payload is not valid {content_type}: not {content_type} data ({what})")
+    return payload
 
 
 def _decode_npy(payload: bytes) -> Any:

@@ -71,9 +71,12 @@ def test_torchserve_handler_gives_the_zoo_models_answers(tmp_path) -> None:
     outcomes = run_batch(zoo, items).outcomes
     assert all(o.ok for o in outcomes), [o.error for o in outcomes]
     want = [o.value for o in outcomes]
-    assert [[c for c, _ in g["top5"]] for g in got] == [[c for c, _ in w["top5"]] for w in want]
+    # The same reply format: class indices and names, probabilities, what the weights are.
+    assert [[(c["index"], c["label"]) for c in g["top5"]] for g in got] == \
+        [[(c["index"], c["label"]) for c in w["top5"]] for w in want]
+    assert [g["weights"] for g in got] == [w["weights"] for w in want] == ["random", "random"]
     for g, w in zip(got, want):
-        assert [p for _, p in g["top5"]] == pytest.approx([p for _, p in w["top5"]], abs=1e-4)
+        assert [c["probability"] for c in g["top5"]] == pytest.approx([c["probability"] for c in w["top5"]], abs=1e-4)
 
     with pytest.raises(ValueError, match="shaped"):
         served.handle([{"body": protocol.encode_as(protocol.NPY, torch.zeros(4, 4).numpy())}], context)

@@ -100,7 +100,8 @@ def test_every_request_answered_exactly_once_with_bad_input_isolated(stack: Stac
     text_id = stack.send(reply_to, "héllo".encode(), "text/plain")
     bad = {
         stack.send(reply_to, b"{not json"): "not valid application/json",
-        stack.send(reply_to, b"1", "image/png"): "unknown content_type",
+        stack.send(reply_to, b"1", "image/gif"): "unknown content_type",
+        stack.send(reply_to, b"1", "image/png"): "not valid image/png",
         stack.send(reply_to, b"\x93NUMPY garbage", "application/x-npy"): "not valid application/x-npy",
         stack.send(reply_to, b"1", deadline_ms="1000"): "deadline exceeded",
     }

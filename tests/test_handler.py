@@ -99,6 +99,37 @@ def test_all_items_rejected_model_not_run() -> None:
     assert h.batches == []
 
 
+class ValidatesAllAtOnce(Recording):
+    """A handler of its own validate_all (the vision models decode files in threads there)."""
+
+    def __init__(self, result: Any = None) -> None:
+        super().__init__()
+        self.result = result
+
+    def validate_all(self, items: list[Input]) -> list[Exception | None]:
+        if self.result is not None:
+            return self.result
+        return [self.rejection(item) for item in reversed(items)][::-1]
+
+
+def test_validate_all_gives_each_request_its_own_rejection() -> None:
+    h = init(ValidatesAllAtOnce())
+    res = run_batch(h, items(1, -5, "crash-validate", 3))
+    assert [o.value for o in res.outcomes] == [2, None, None, 6]
+    assert res.outcomes[1].error == "expected a non-negative number, got -5"
+    assert res.outcomes[2].error == "KeyError: 'oops'"
+    assert res.inference_ms > 0  # validation is part of the handler's time
+
+
+@pytest.mark.parametrize("result", [[None], "not a list"])
+def test_validate_all_of_the_wrong_length_fails_the_batch_only(result: Any) -> None:
+    h = init(ValidatesAllAtOnce(result))
+    res = run_batch(h, items(1, 2))
+    assert all(o.error and o.error.startswith("inference failed for this batch: RuntimeError: handler "
+                                              "ValidatesAllAtOnce.validate_all returned") for o in res.outcomes)
+    assert h.batches == []
+
+
 def test_handler_exception_fails_whole_batch_only() -> None:
     h = init(Failing())
     res = run_batch(h, items(1, -1, 2))

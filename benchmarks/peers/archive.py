@@ -3,7 +3,8 @@
 ``torch-model-archiver`` (from the peers environment) packs
 ``benchmarks/peers/ts_handler.py``, the TorchScript file written by
 ``benchmarks.peers.export`` (run in the project's environment, so the model is
-the one ``packrat-mq up --graph`` traces) and a ``model-config.yaml`` with the
+the one ``packrat-mq up --graph`` traces), the class names written beside it
+(``index_to_name.json``) and a ``model-config.yaml`` with the
 batch settings: ``batchSize`` is B, ``maxBatchDelay`` the batch wait, and one
 worker (``minWorkers = maxWorkers = 1``). The archive is a directory
 (``--archive-format no-archive``): TorchServe loads it as it is, instead of
@@ -17,6 +18,8 @@ from pathlib import Path
 
 HANDLER = Path(__file__).resolve().parent / "ts_handler.py"
 ROOT = Path(__file__).resolve().parent.parent.parent
+#: Written by benchmarks.peers.export beside the TorchScript file (not imported: export needs torch).
+CATEGORIES = "index_to_name.json"
 
 
 def model_config(batch: int, wait_ms: float, response_timeout_s: int = 120) -> str:
@@ -31,7 +34,7 @@ def build_store(venv: Path, workdir: Path, *, model: str, batch: int, wait_ms: f
         return store
     workdir.mkdir(parents=True, exist_ok=True)
     serialized = workdir / f"{model}-b{batch}.pt"
-    if not serialized.exists():
+    if not serialized.exists() or not (workdir / CATEGORIES).exists():
         subprocess.run([sys.executable, "-W", "ignore", "-m", "benchmarks.peers.export", "--model", model,
                         "--batch", str(batch), "--seed", str(seed), "--out", str(serialized)],
                        cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
@@ -40,6 +43,7 @@ def build_store(venv: Path, workdir: Path, *, model: str, batch: int, wait_ms: f
     store.mkdir(parents=True, exist_ok=True)
     subprocess.run([str(venv / "bin" / "torch-model-archiver"), "--model-name", model, "--version", "1.0",
                     "--serialized-file", str(serialized), "--handler", str(HANDLER), "--config-file", str(config),
+                    "--extra-files", str(workdir / CATEGORIES),
                     "--export-path", str(store), "--archive-format", "no-archive", "--force"],
                    check=True, stdout=subprocess.DEVNULL)
     return store

@@ -7,17 +7,26 @@ handler and saves the result with ``torch.jit.save``, so the file TorchServe
 loads is the computation packrat-mq runs, not a look-alike. Weights are
 random (seeded): latency does not depend on their values.
 
+Beside it goes ``index_to_name.json`` (TorchServe's name for it), the ImageNet
+class names the zoo handler's replies carry, so the TorchServe handler answers
+in the same format without torchvision.
+
 Run in the project's environment: ``python -m benchmarks.peers.export --batch 8 --out resnet50-b8.pt``.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 import torch
 
 from packrat_mq.handler import Context, load_handler
+from packrat_mq.zoo.vision import imagenet_categories
+
+#: The class names' file, beside the TorchScript file and in the archive (TorchServe's convention).
+CATEGORIES = "index_to_name.json"
 
 
 def export(path: Path, *, model: str = "resnet50", batch: int = 8, seed: int = 0) -> Path:
@@ -29,6 +38,7 @@ def export(path: Path, *, model: str = "resnet50", batch: int = 8, seed: int = 0
         raise TypeError(f"{model}'s graph mode did not give a TorchScript module ({type(handler.model).__name__})")
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.jit.save(handler.model, str(path))
+    (path.parent / CATEGORIES).write_text(json.dumps({str(i): name for i, name in enumerate(imagenet_categories())}))
     return path
 
 

@@ -9,7 +9,9 @@ so both servers run the same computation on the same input:
   bilinearly first if it is not the model's size), the batch is stacked and run
   through the TorchScript model (``torch.jit.load`` of the archive's serialized
   file, traced and frozen by the zoo handler itself: see ``benchmarks.peers.export``);
-- each request gets ``{"top5": [[class_index, probability], ...]}``.
+- each request gets ``{"top5": [{"label": ..., "index": ..., "probability": ...}, ...],
+  "weights": "random"}``, the labels read from the archive's ``index_to_name.json``
+  (written by the export with the zoo's ImageNet class names).
 
 The model runs on ``OMP_NUM_THREADS`` intra-op threads and one inter-op
 thread, as a packrat-mq instance does.
@@ -22,6 +24,7 @@ module as the handler and calls ``initialize(context)`` then
 from __future__ import annotations
 
 import io
+import json
 import os
 from typing import Any
 
@@ -42,6 +45,7 @@ class NpyImageClassifier:
 
     def __init__(self) -> None:
         self.model: Any = None
+        self.categories: list[str] = []
         self.initialized = False
         self._mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
         self._std = torch.tensor(IMAGENET_STD).view(3, 1, 1)
@@ -57,6 +61,9 @@ class NpyImageClassifier:
         model_dir = context.system_properties.get("model_dir")
         serialized = context.manifest["model"]["serializedFile"]
         self.model = torch.jit.load(os.path.join(model_dir, serialized), map_location="cpu").eval()
+        with open(os.path.join(model_dir, "index_to_name.json"), encoding="utf-8") as f:
+            names = json.load(f)
+        self.categories = [names[str(i)] for i in range(len(names))]
         self.initialized = True
 
     @staticmethod
@@ -92,5 +99,7 @@ class NpyImageClassifier:
         with torch.inference_mode():
             output = self.model(batch)
         probs, classes = torch.softmax(output.float(), dim=1).topk(5, dim=1)
-        return [{"top5": [[int(c), float(p)] for c, p in zip(row_c.tolist(), row_p.tolist())]}
+        return [{"top5": [{"label": self.categories[c], "index": c, "probability": p}
+                          for c, p in zip(row_c.tolist(), row_p.tolist())],
+                 "weights": "random"}
                 for row_c, row_p in zip(classes, probs)]

@@ -12,12 +12,23 @@ from packrat_mq.client import Client, ReplyTimeout
 from packrat_mq.settings import Settings
 
 
+#: Content types by file extension, for files whose first bytes do not say.
+EXTENSIONS = {".json": protocol.JSON, ".txt": protocol.TEXT, ".npy": protocol.NPY, ".jpg": protocol.JPEG,
+              ".jpeg": protocol.JPEG, ".png": protocol.PNG, ".webp": protocol.WEBP}
+
+
+def file_content_type(path: Path, payload: bytes) -> str:
+    """The content type of a file: from its first bytes, else its extension, else raw bytes."""
+    return protocol.sniff_content_type(payload) or EXTENSIONS.get(path.suffix.lower(), protocol.BYTES)
+
+
 @click.command()
 @click.option("--model", "-m", required=True, help="Model to send to.")
 @click.option("--data", "-d", "data", default=None, help="JSON payload (default content type).")
 @click.option("--text", default=None, help="Plain-text payload (text/plain).")
-@click.option("--file", "file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="Payload from a file; .npy files are sent as application/x-npy.")
+@click.option("--file", "file", type=click.Path(path_type=Path), default=None,
+              help="Payload from a file, its content type read from its first bytes (JPEG, PNG, WebP, .npy), "
+                   "else from its extension (.json, .txt), else application/octet-stream.")
 @click.option("--content-type", default=None, help="Override the content type.")
 @click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds to wait for the reply.")
 @click.option("--deadline", type=float, default=None, help="Ask the service to give up after this many seconds.")
@@ -40,6 +51,7 @@ def submit(
     Examples:
       packrat-mq submit -m echo -d '{"hello": "world"}'
       packrat-mq submit -m minilm --text "A man is eating food." --json
+      packrat-mq submit -m resnet50 --file photo.jpg
       packrat-mq submit -m resnet50 --file image.npy
     """
     given = [x is not None for x in (data, text, file)]
@@ -55,8 +67,11 @@ def submit(
         payload, ctype = text.encode(), protocol.TEXT
     else:
         assert file is not None
-        payload = file.read_bytes()
-        ctype = protocol.NPY if file.suffix == ".npy" else protocol.BYTES
+        try:
+            payload = file.read_bytes()
+        except OSError as exc:
+            raise click.ClickException(f"cannot read --file {str(file)!r}: {exc.strerror or exc}") from None
+        ctype = file_content_type(file, payload)
     r, _ = connect_or_fail(settings)
     if not r.sismember(settings.keys.models(), model):
         served = ", ".join(sorted(m.decode() for m in r.smembers(settings.keys.models()))) or "none"
