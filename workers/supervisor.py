@@ -33,7 +33,7 @@ from dispatcher.spec import DispatcherSpec
 from optimizer.planning.selection import choose
 from packrat_mq import control, replies
 from packrat_mq.backoff import Backoff
-from packrat_mq.deployment import Deployment, InstanceRecord
+from packrat_mq.deployment import Deployment, InstanceRecord, node_share, publish_part, withdraw_part
 from packrat_mq.exposition import ModelView, read_stream
 from packrat_mq.instances import Configuration
 from packrat_mq.keys import DISPATCHER_GROUP, WORKER_GROUP, check_model_name, control_group
@@ -240,6 +240,7 @@ class Supervisor:
             predicted_latency_ms=self.configuration.predicted_latency_ms,
             adaptive=self.adaptive,
             instances=[i.record for i in self.instances],
+            threads_budget=self.threads_budget,
         )
 
     # --- starting -----------------------------------------------------
@@ -294,13 +295,20 @@ class Supervisor:
                 time.sleep(0.02)
 
     def publish(self) -> None:
-        """Make this deployment the one the dispatcher serves with."""
-        self.r.set(self.keys.config(self.model), self.deployment.model_dump_json())
+        """Make this node's instances its part of the deployment the dispatcher serves with.
+
+        Only this node's part changes: the other nodes' instances stay in the
+        document (see :func:`packrat_mq.deployment.publish_part`).
+        """
+        publish_part(self.r, self.keys, self.deployment)
         self.r.sadd(self.keys.models(), self.model)
 
     def republish_if_lost(self) -> bool:
         """Publish again when Redis lost the deployment (a restart without persistence, a FLUSHALL)."""
-        if self.r.exists(self.keys.config(self.model)):
+        pipe = self.r.pipeline(transaction=False)
+        pipe.exists(self.keys.config(self.model))
+        pipe.hexists(self.keys.deployment(self.model), self.node)
+        if all(pipe.execute()):
             return False
         log.warning("the deployment of %s is gone from Redis (restarted or flushed); publishing it again", self.model)
         self.publish()
@@ -328,6 +336,18 @@ class Supervisor:
         """The optimizer's configuration for B=``batch`` within the thread budget (as ``up`` plans)."""
         return choose(self.model, self.threads_budget, batch, self.profile, graph=self.settings.graph_mode,
                       handler=self.handler).configuration
+
+    def _share(self, batch: int) -> int:
+        """This node's part of a model-wide B: in proportion to the thread budgets of the nodes serving it."""
+        raw = self.r.get(self.keys.config(self.model))
+        if not raw:
+            return batch
+        budgets = Deployment.model_validate_json(raw).budgets
+        share = node_share(batch, budgets, self.node)
+        if share != batch:
+            log.info("model %s: B=%d over nodes %s; this node (%s) plans B=%d", self.model, batch,
+                     budgets, self.node, share)
+        return share
 
     def reconfigure(self, target: Configuration, *, reason: str = "operator", origin: str = "api",
                     adaptive: bool | None = None, message: control.ControlMessage | None = None,
@@ -440,7 +460,8 @@ class Supervisor:
         record = DispatcherState.load(self.r, self.keys.dispatcher(self.model))
         if record is None or record.effective_state(time.time()) not in ("ready", "starting"):
             return True
-        return record.generation is not None and record.generation >= generation
+        served = record.generation_of(self.node)
+        return served is not None and served >= generation
 
     def _fail(self, error: str) -> None:
         """Give a reconfiguration up while still warming: stop the passive instances, keep serving as before."""
@@ -556,7 +577,7 @@ class Supervisor:
                 target = Configuration.parse(message.instances)
             else:
                 assert message.batch is not None
-                target = self.planner(message.batch)
+                target = self.planner(self._share(message.batch))
             # An operator's B or instances pin B unless they ask for the estimator; the estimator's own keeps it.
             adaptive = message.adaptive if message.adaptive is not None else (
                 self.adaptive if message.origin == "estimator" else False)
@@ -793,9 +814,9 @@ class Supervisor:
     def retire(self) -> None:
         """Forget this supervisor's processes in Redis (after they stopped).
 
-        With its own dispatcher it also withdraws the deployment; without,
-        the deployment stays, and a supervisor started again on the same node
-        and generation takes it over.
+        With its own dispatcher it also withdraws its node's part of the
+        deployment; without, the part stays, and a supervisor started again on
+        the same node and generation takes it over.
         """
         self._absorb_quietly(self.all_instances)
         pipe = self.r.pipeline()
@@ -809,9 +830,10 @@ class Supervisor:
                 log.warning("queue %s still holds work; kept for the next start", queue)
         pipe.delete(self.keys.supervisor(self.model, self.node))
         pipe.srem(self.keys.supervisors(self.model), self.node)
-        if self.with_dispatcher:
-            pipe.delete(self.keys.config(self.model))
         pipe.execute()
+        if self.with_dispatcher:
+            # Its dispatcher is gone: its node's part goes too (other nodes' parts stay, with their own dispatcher).
+            withdraw_part(self.r, self.keys, self.model, self.node)
 
     def __enter__(self) -> Supervisor:
         try:
