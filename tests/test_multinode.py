@@ -1,0 +1,206 @@
+"""Several nodes on one Redis: two pools of one model, each on its own CPU, and one dispatcher.
+
+The deployment document holds both nodes' instances (each pool writes its own
+part, merged atomically); the dispatcher spreads batches over both; a pool
+SIGKILLed mid-load loses nothing and answers nothing twice: the requests its
+instances held are handed to the other node once it has been silent for the
+grace period (``PACKRAT_NODE_GRACE_S``), behind a fence its workers check.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import redis
+
+from packrat_mq.deployment import Deployment, merge, node_share, publish_part, withdraw_part
+from packrat_mq.deployment import InstanceRecord
+from packrat_mq.keys import DISPATCHER_GROUP, Keys, request_owner
+from packrat_mq.records import DispatcherState
+from tests.cli_run import Tracked
+from tests.helpers import wait_for
+
+
+def _part(node: str, generation: int = 1, *, n: int = 1, budget: int = 1) -> Deployment:
+    return Deployment(model="m", handler="echo", generation=generation, node=node, threads_budget=budget,
+                      instances=[InstanceRecord(id=f"{node}-g{generation}-{i}", threads=1, batch=2, node=node)
+                                 for i in range(n)])
+
+
+def test_the_document_holds_every_nodes_part(r: redis.Redis, prefix: str) -> None:
+    keys = Keys(prefix)
+    publish_part(r, keys, _part("a"))
+    single = Deployment.model_validate_json(r.get(keys.config("m")))
+    assert (single.node, single.generation, single.nodes) == ("a", 1, {"a": 1})  # one node: as before
+    publish_part(r, keys, _part("b", 3, n=2))
+    publish_part(r, keys, _part("a", 2))  # a's new generation leaves b's instances alone
+    doc = Deployment.model_validate_json(r.get(keys.config("m")))
+    assert [i.id for i in doc.instances] == ["a-g2-0", "b-g3-0", "b-g3-1"]
+    assert doc.nodes == {"a": 2, "b": 3} and doc.batch == 6
+    assert withdraw_part(r, keys, "m", "a") is not None
+    assert [i.id for i in Deployment.model_validate_json(r.get(keys.config("m"))).instances] == ["b-g3-0", "b-g3-1"]
+    assert withdraw_part(r, keys, "m", "b") is None and not r.exists(keys.config("m"))
+
+
+def test_parts_written_at_once_by_many_nodes_all_stay(r: redis.Redis, prefix: str, redis_url: str) -> None:
+    keys = Keys(prefix)
+    nodes = [f"n{i}" for i in range(8)]
+
+    def write(node: str) -> None:
+        c = redis.Redis.from_url(redis_url)
+        for gen in range(1, 6):
+            publish_part(c, keys, _part(node, gen))
+
+    threads = [threading.Thread(target=write, args=(n,)) for n in nodes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    doc = Deployment.model_validate_json(r.get(keys.config("m")))
+    assert doc.nodes == {n: 5 for n in nodes}
+    assert sorted(i.id for i in doc.instances) == sorted(f"{n}-g5-0" for n in nodes)
+
+
+def test_a_model_wide_batch_is_shared_by_thread_budgets() -> None:
+    budgets = {"a": 3, "b": 1}
+    assert [node_share(8, budgets, n) for n in ("a", "b")] == [6, 2]
+    assert node_share(7, budgets, "a") + node_share(7, budgets, "b") == 7
+    assert node_share(1, {"a": 1, "b": 1}, "b") == 1  # never 0: each node serves something
+    assert node_share(8, {"a": 4}, "a") == 8
+    assert merge({"a": _part("a", budget=3), "b": _part("b")}).budgets == {"a": 3, "b": 1}  # type: ignore[union-attr]
+
+
+def test_the_dispatcher_record_says_each_nodes_generation() -> None:
+    rec = DispatcherState(generation=3, nodes=["a=3", "b=1"])
+    assert (rec.generation_of("a"), rec.generation_of("b"), rec.generation_of("c")) == (3, 1, None)
+    assert DispatcherState(generation=2).generation_of("a") == 2  # a document naming no node
+
+
+# --- two pools as two nodes ------------------------------------------------------------
+
+BASE_MS = 30
+
+
+def _pool(node: str, cpu: int, redis_url: str, prefix: str, tracked: Tracked, env: dict[str, str]) -> subprocess.Popen[str]:
+    out = open(Path(tracked.tmp) / f"{node}.txt", "w")  # noqa: SIM115 - closed with the test's processes
+    return subprocess.Popen(["taskset", "-c", str(cpu), sys.executable, "-m", "packrat_mq", "pool", "-m", "sleep",
+                             "-o", f"base_ms={BASE_MS}", "-o", "per_item_ms=0", "-i", "1x2", "--node", node,
+                             "--redis-url", redis_url, "--prefix", prefix],
+                            stdout=out, stderr=subprocess.STDOUT, text=True, env=tracked.env(env),
+                            stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or not Path("/usr/bin/taskset").exists(),
+                    reason="needs two CPUs and taskset")
+def test_two_pools_as_two_nodes_one_killed_mid_load(redis_url: str, prefix: str, r: redis.Redis) -> None:
+    keys = Keys(prefix)
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    env = {"PACKRAT_HEARTBEAT_S": "0.2", "PACKRAT_NODE_GRACE_S": "1.5", "PACKRAT_BATCH_TIMEOUT_MS": "5"}
+    tracked = Tracked()
+    procs: list[subprocess.Popen[str]] = []
+    stop = threading.Event()
+    replies: Counter[str] = Counter()
+    by_instance: list[tuple[float, str]] = []
+    sent: list[str] = []
+    failures: list[str] = []
+    lock = threading.Lock()
+
+    def client(k: int) -> None:
+        c = redis.Redis.from_url(redis_url)
+        stream = keys.replies(f"mn-{k}-{uuid.uuid4().hex[:6]}")
+        last = "0"
+        while not stop.is_set():
+            rid = f"c{k}-{uuid.uuid4().hex[:8]}"
+            with lock:
+                sent.append(rid)
+            c.xadd(keys.requests("sleep"), {"id": rid, "reply_to": stream, "payload": json.dumps(k)})
+            got = None
+            deadline = time.monotonic() + 30
+            while got is None and time.monotonic() < deadline:
+                resp = c.xread({stream: last}, block=1000, count=10)
+                for _, entries in resp or []:
+                    for sid, fields in entries:
+                        last = sid
+                        fid = fields[b"id"].decode()
+                        with lock:
+                            replies[fid] += 1
+                            by_instance.append((time.monotonic(), fields[b"instance"].decode()))
+                        if fields[b"status"] != b"ok":
+                            failures.append(f"{fid}: {fields[b'error'].decode()}")
+                        if fid == rid:
+                            got = fields
+            if got is None:
+                failures.append(f"{rid}: no reply in 30 s")
+                return
+
+    try:
+        procs.append(_pool("n1", cpus[0], redis_url, prefix, tracked, env))
+        procs.append(_pool("n2", cpus[1], redis_url, prefix, tracked, env))
+
+        def both_published() -> bool:
+            raw = r.get(keys.config("sleep"))
+            return bool(raw) and set(Deployment.model_validate_json(raw).nodes) == {"n1", "n2"}
+
+        wait_for(both_published, 60, "both nodes in the deployment")
+        doc = Deployment.model_validate_json(r.get(keys.config("sleep")))
+        assert sorted(i.id for i in doc.instances) == ["n1-g1-0", "n2-g1-0"]
+        assert {i.node: i.cpus for i in doc.instances} == {"n1": [cpus[0]], "n2": [cpus[1]]}
+        wait_for(lambda: all(r.hget(keys.instance("sleep", i), "state") == b"ready"
+                             for i in ("n1-g1-0", "n2-g1-0")), 60, "both instances ready")
+        out = open(Path(tracked.tmp) / "dispatch.txt", "w")  # noqa: SIM115
+        procs.append(subprocess.Popen([sys.executable, "-m", "packrat_mq", "dispatch", "-m", "sleep",
+                                       "--redis-url", redis_url, "--prefix", prefix],
+                                      stdout=out, stderr=subprocess.STDOUT, text=True, env=tracked.env(env),
+                                      stdin=subprocess.DEVNULL))
+        clients = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(6)]
+        for t in clients:
+            t.start()
+        wait_for(lambda: {i for _, i in list(by_instance)} >= {"n1-g1-0", "n2-g1-0"}, 30, "replies from both nodes")
+        time.sleep(1.0)
+        # Mid-load: n1's instance holds a sub-batch (30 ms of every ~35) when its pool dies.
+        wait_for(lambda: r.xpending_range(keys.requests("sleep"), DISPATCHER_GROUP, min="-", max="+", count=1,
+                                          consumername=request_owner("n1-g1-0")), 10, "n1 holding requests",
+                 interval=0.002)
+        procs[0].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        procs[0].wait(10)
+        # The other node carries on: it answers during the grace period, and after it everything.
+        time.sleep(5.0)
+        stop.set()
+        for t in clients:
+            t.join(40)
+        time.sleep(1.0)  # a late second reply would show up here
+        assert not failures, failures[:10]
+        with lock:
+            assert set(replies) == set(sent), set(sent) ^ set(replies)
+            assert [rid for rid, n in replies.items() if n != 1] == []
+            after = [inst for t, inst in by_instance if t > killed + 0.5]
+        assert after and set(after) == {"n2-g1-0"}, Counter(after)
+        assert int(r.hget(keys.stats("sleep"), "replies")) == len(sent)
+        assert not r.xpending_range(keys.requests("sleep"), DISPATCHER_GROUP, min="-", max="+", count=10,
+                                    consumername=request_owner("n1-g1-0"))
+        assert r.exists(keys.fence("sleep", "n1-g1-0")) and not r.exists(keys.queue("sleep", "n1-g1-0"))
+        assert r.xlen(keys.requests("sleep")) == 0
+    finally:
+        stop.set()
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        logs = {f.name: f.read_text()[-3000:] for f in Path(tracked.tmp).glob("*.txt")}
+        tracked.leftovers(grace_s=5)
+        tracked.close()
+        print(logs)  # shown when the test fails
