@@ -22,12 +22,17 @@ from pathlib import Path
 import pytest
 import redis
 
-from packrat_mq.deployment import Deployment, merge, node_share, publish_part, withdraw_part
-from packrat_mq.deployment import InstanceRecord
-from packrat_mq.keys import DISPATCHER_GROUP, Keys, request_owner
-from packrat_mq.records import DispatcherState
+from dispatcher.dispatcher import Dispatcher
+from packrat_mq import protocol
+from packrat_mq.deployment import Deployment, InstanceRecord, merge, node_share, publish_part, withdraw_part
+from packrat_mq.keys import DISPATCHER_GROUP, WORKER_GROUP, Keys, request_owner
+from packrat_mq.records import DispatcherState, SupervisorState
+from packrat_mq.settings import Settings
+from packrat_mq.streams import ensure_group
+from packrat_mq.zoo.testing import EchoHandler
 from tests.cli_run import Tracked
-from tests.helpers import wait_for
+from tests.helpers import hand_out, wait_for
+from workers.worker import Worker, WorkerSpec
 
 
 def _part(node: str, generation: int = 1, *, n: int = 1, budget: int = 1) -> Deployment:
@@ -204,3 +209,49 @@ def test_two_pools_as_two_nodes_one_killed_mid_load(redis_url: str, prefix: str,
         tracked.leftovers(grace_s=5)
         tracked.close()
         print(logs)  # shown when the test fails
+
+
+def test_a_slow_instance_taken_for_dead_answers_nothing(r: redis.Redis, redis_url: str, prefix: str) -> None:
+    """Its requests go to a live node's instance; its own reply transaction finds the fence and aborts."""
+    settings = Settings(redis_url=redis_url, prefix=prefix, batch_timeout_ms=2.0, node_grace_s=0.05)
+    keys = settings.keys
+
+    def worker(iid: str) -> Worker:
+        spec = WorkerSpec(url=redis_url, settings=settings, model="m", handler="echo", instance_id=iid)
+        handler = EchoHandler()
+        handler.initialize(spec.context())
+        w = Worker(r, spec, handler)
+        ensure_group(r, w.queue, WORKER_GROUP)
+        return w
+
+    publish_part(r, keys, _part("gone"))
+    publish_part(r, keys, _part("live"))
+    live = worker("live-g1-0")
+    live.register("ready")
+    SupervisorState(state="ready", heartbeat=time.time(), interval=60.0, node="live").save(
+        r, keys.supervisor("m", "live"))
+    slow = worker("gone-g1-0")
+    req = protocol.Request(id="q1", reply_to=keys.replies("t"), payload=b'"hi"', content_type="application/json",
+                           enqueued_ms=time.time() * 1000)
+    hand_out(r, keys, "m", "gone-g1-0", [req])
+    held = slow.read(block_ms=10)  # read, still running when its node is taken for dead
+    assert held
+
+    d = Dispatcher(r, settings, "m")
+    d.setup()
+    d.run_once(idle_block_ms=10)  # reads the document
+    assert d.reclaimer.check(d.deployment) == 0  # silent, but not yet for the grace period
+    time.sleep(0.1)
+    assert d.reclaimer.check(d.deployment) == 1
+    d._recovering, d._recover_from = True, "0"
+    assert r.exists(keys.fence("m", "gone-g1-0")) and not r.exists(keys.queue("m", "gone-g1-0"))
+    wait_for(lambda: d.run_once(idle_block_ms=10) == 1, 5, "the request dispatched again")
+    assert live.run_once(block_ms=100) == 1
+
+    for entry_id, fields in held:
+        slow.process(entry_id, fields)  # the slow one finishes: fenced, it replies nothing and stops
+    assert slow._stopping.is_set()
+    got = r.xrange(keys.replies("t"))
+    assert [(f[b"id"], f[b"instance"]) for _, f in got] == [(b"q1", b"live-g1-0")]
+    assert int(r.hget(keys.stats("m"), "replies")) == 1
+    assert r.xlen(keys.requests("m")) == 0
