@@ -196,6 +196,8 @@ class Supervisor:
         self.loop_errors = 0
         self._loop_backoff = Backoff(base=0.1, cap=5.0)
         self._started = time.time()
+        #: How often :meth:`serve_forever` checks (and so beats) when idle.
+        self._poll_s = 0.0
         #: Its own counts for the metrics (restarts, reconfigurations), and the sum of what its
         #: processes publish in their records (see :meth:`metrics_view`).
         self.tally = Tally(SUPERVISOR_HISTOGRAMS)
@@ -630,7 +632,9 @@ class Supervisor:
     def _beat(self) -> None:
         """This supervisor's own record (renewed every check, so a SIGKILLed supervisor's expires)."""
         record = SupervisorState(
-            state="ready", pid=os.getpid(), host=socket.gethostname(), interval=self.settings.heartbeat_s,
+            # It beats once per check, every poll at least: a heartbeat shorter than the poll would read as stale.
+            state="ready", pid=os.getpid(), host=socket.gethostname(),
+            interval=max(self.settings.heartbeat_s, self._poll_s),
             heartbeat=time.time(), loop_errors=self.loop_errors, node=self.node, generation=self.generation,
             instances=[i.record.id for i in self.instances], with_dispatcher=self.with_dispatcher,
             adaptive=self.adaptive, phase=self.change.phase if self.change else "",
@@ -726,6 +730,7 @@ class Supervisor:
         backoff; the loop itself never sleeps longer than its poll.
         """
         stopping = False
+        self._poll_s = poll_s
 
         def _stop(signum: int, frame: Any) -> None:
             nonlocal stopping
