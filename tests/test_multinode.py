@@ -23,7 +23,7 @@ import pytest
 import redis
 
 from dispatcher.dispatcher import Dispatcher
-from packrat_mq import protocol
+from packrat_mq import control, protocol
 from packrat_mq.deployment import Deployment, InstanceRecord, merge, node_share, publish_part, withdraw_part
 from packrat_mq.keys import DISPATCHER_GROUP, WORKER_GROUP, Keys, request_owner
 from packrat_mq.records import DispatcherState, SupervisorState
@@ -32,6 +32,9 @@ from packrat_mq.streams import ensure_group
 from packrat_mq.zoo.testing import EchoHandler
 from tests.cli_run import Tracked
 from tests.helpers import hand_out, wait_for
+from packrat_mq.instances import Configuration
+from packrat_mq.topology import Topology
+from workers.supervisor import Supervisor
 from workers.worker import Worker, WorkerSpec
 
 
@@ -240,6 +243,8 @@ def test_a_slow_instance_taken_for_dead_answers_nothing(r: redis.Redis, redis_ur
     d = Dispatcher(r, settings, "m")
     d.setup()
     d.run_once(idle_block_ms=10)  # reads the document
+    rec = DispatcherState.load(r, keys.dispatcher("m"))
+    assert (rec.generation_of("gone"), rec.generation_of("live")) == (1, 1)  # what the supervisors wait for
     assert d.reclaimer.check(d.deployment) == 0  # silent, but not yet for the grace period
     time.sleep(0.1)
     assert d.reclaimer.check(d.deployment) == 1
@@ -255,3 +260,21 @@ def test_a_slow_instance_taken_for_dead_answers_nothing(r: redis.Redis, redis_ur
     assert [(f[b"id"], f[b"instance"]) for _, f in got] == [(b"q1", b"live-g1-0")]
     assert int(r.hget(keys.stats("m"), "replies")) == 1
     assert r.xlen(keys.requests("m")) == 0
+
+
+def test_each_node_plans_its_share_of_a_model_wide_batch(r: redis.Redis, redis_url: str, prefix: str) -> None:
+    """A reconfiguration to B reaches every node: each plans B × its T / all nodes' T, with its own planner."""
+    settings = Settings(redis_url=redis_url, prefix=prefix)
+    asked: dict[str, list[int]] = {"big": [], "small": []}
+    sups = {}
+    for node, cores in (("big", 3), ("small", 1)):
+        sups[node] = Supervisor(r, settings, redis_url, "m", Configuration.parse("1x1"), handler="echo", node=node,
+                                topology=Topology.synthetic(cores), with_dispatcher=False,
+                                planner=lambda b, node=node: asked[node].append(b) or Configuration.parse("1x1"))
+        sups[node].publish()
+    doc = Deployment.model_validate_json(r.get(settings.keys.config("m")))
+    assert doc.budgets == {"big": 3, "small": 1}
+    for node in sups:  # what each supervisor does with `packrat-mq reconfigure m --batch 8` (planned as served: no change)
+        sups[node]._carry_out(control.ControlMessage(id="c1", model="m", batch=8, adaptive=False))
+    assert asked == {"big": [6], "small": [2]}
+    assert (sups["big"]._share(1), sups["small"]._share(1)) == (1, 1)  # never 0
