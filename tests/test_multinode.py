@@ -30,7 +30,7 @@ from packrat_mq.records import DispatcherState, SupervisorState
 from packrat_mq.settings import Settings
 from packrat_mq.streams import ensure_group
 from packrat_mq.zoo.testing import EchoHandler
-from tests.cli_run import Tracked
+from tests.cli_run import Tracked, run_cli
 from tests.helpers import hand_out, wait_for
 from packrat_mq.instances import Configuration
 from packrat_mq.topology import Topology
@@ -278,3 +278,53 @@ def test_each_node_plans_its_share_of_a_model_wide_batch(r: redis.Redis, redis_u
         sups[node]._carry_out(control.ControlMessage(id="c1", model="m", batch=8, adaptive=False))
     assert asked == {"big": [6], "small": [2]}
     assert (sups["big"]._share(1), sups["small"]._share(1)) == (1, 1)  # never 0
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or not Path("/usr/bin/taskset").exists(),
+                    reason="needs two CPUs and taskset")
+def test_a_reconfiguration_reaches_both_nodes(redis_url: str, prefix: str, r: redis.Redis) -> None:
+    """`reconfigure --instances` goes to every node's supervisor; each waits for the dispatcher to serve its own generation."""
+    keys = Keys(prefix)
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    env = {"PACKRAT_HEARTBEAT_S": "0.2"}
+    tracked = Tracked()
+    procs = [_pool("n1", cpus[0], redis_url, prefix, tracked, env), _pool("n2", cpus[1], redis_url, prefix, tracked, env)]
+    try:
+        wait_for(lambda: all(r.hget(keys.instance("sleep", i), "state") == b"ready" for i in ("n1-g1-0", "n2-g1-0")),
+                 60, "both instances ready")
+        procs.append(subprocess.Popen([sys.executable, "-m", "packrat_mq", "dispatch", "-m", "sleep", "--redis-url",
+                                       redis_url, "--prefix", prefix], stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL, env=tracked.env(env), stdin=subprocess.DEVNULL))
+        wait_for(lambda: (rec := DispatcherState.load(r, keys.dispatcher("sleep"))) is not None
+                 and rec.nodes == ["n1=1", "n2=1"], 30, "the dispatcher serving both nodes")
+        run = run_cli("reconfigure", "sleep", "--instances", "1x4", "--redis-url", redis_url, "--prefix", prefix,
+                      env=env)
+        assert run.returncode == 0, run.stderr
+
+        def both_done() -> bool:
+            sups = [SupervisorState.load(r, keys.supervisor("sleep", n)) for n in ("n1", "n2")]
+            return all(s is not None and s.generation == 2 and not s.phase for s in sups)
+
+        wait_for(both_done, 30, "both nodes at generation 2")
+        doc = Deployment.model_validate_json(r.get(keys.config("sleep")))
+        assert doc.nodes == {"n1": 2, "n2": 2} and doc.batch == 8
+        rec = DispatcherState.load(r, keys.dispatcher("sleep"))
+        assert (rec.generation_of("n1"), rec.generation_of("n2")) == (2, 2)
+        stream = keys.replies("reconf")
+        for k in range(8):
+            r.xadd(keys.requests("sleep"), {"id": f"q{k}", "reply_to": stream, "payload": "1"})
+        wait_for(lambda: r.xlen(stream) == 8, 30, "eight replies")
+        got = [f for _, f in r.xrange(stream)]
+        assert sorted(f[b"id"] for f in got) == sorted(f"q{k}".encode() for k in range(8))
+        assert {f[b"instance"] for f in got} <= {b"n1-g1-0", b"n2-g1-0"}  # a reshare keeps the instances
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        tracked.leftovers(grace_s=5)
+        tracked.close()
