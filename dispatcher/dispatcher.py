@@ -52,6 +52,7 @@ from dispatcher.aggregation import Aggregator
 from dispatcher.orphans import sweep
 from dispatcher.partitioning import LatencyFn, split
 from dispatcher.reading import Entry, RequestReader
+from dispatcher.reclaiming import Reclaimer
 from packrat_mq import protocol, replies, streams
 from packrat_mq.backoff import Backoff
 from packrat_mq.connection import connect
@@ -59,7 +60,7 @@ from packrat_mq.deployment import Deployment, InstanceRecord
 from packrat_mq.exposition import ModelView, read_stream
 from packrat_mq.keys import DISPATCHER_GROUP, check_model_name, request_owner
 from packrat_mq.metrics import DISPATCHER_HISTOGRAMS, Tally, count_replies
-from packrat_mq.records import DispatcherState, InstanceState
+from packrat_mq.records import LIVE_STATES, DispatcherState, InstanceState, SupervisorState
 from packrat_mq.recovery import recover
 from packrat_mq.settings import Settings
 from packrat_mq.streams import ensure_group
@@ -105,6 +106,8 @@ class Dispatcher:
         self.backoff = Backoff()
         self.reader = RequestReader(r, self.stream, DISPATCHER_GROUP, self.consumer)
         self.aggregator: Aggregator[Entry] = Aggregator(self._read)
+        #: Takes back what the instances of a dead node hold (:mod:`dispatcher.reclaiming`).
+        self.reclaimer = Reclaimer(r, self.keys, self.model, self.consumer, settings.node_grace_s)
         #: The estimator: samples the backlog in a thread of its own while running (see :meth:`run`).
         self.adaptive = Adaptive(r, settings, self.model)
         #: What it counts for the metrics while they are on: published in its record at every
@@ -144,6 +147,7 @@ class Dispatcher:
                                max_backlog=self.settings.max_backlog,
                                generation=deployment.generation if deployment else None,
                                batch=deployment.batch if deployment else None,
+                               nodes=[f"{n}={g}" for n, g in deployment.nodes.items()] if deployment else [],
                                adaptive=estimate.adaptive,
                                q_tilde=round(estimate.q_tilde, 3) if estimate.q_tilde is not None else None,
                                b_tilde=estimate.b_tilde, requested_batch=estimate.requested,
@@ -212,7 +216,14 @@ class Dispatcher:
         for inst in instances:
             pipe.xlen(self.keys.queue(self.model, inst.id))
             pipe.hmget(self.keys.instance(self.model, inst.id), *InstanceState.LIVENESS_FIELDS)
+        nodes = list(deployment.nodes) if deployment else []
+        for node in nodes:
+            pipe.hmget(self.keys.supervisor(self.model, node), *SupervisorState.LIVENESS_FIELDS)
         raw, length, pending, *rest = pipe.execute()
+        now = time.time()
+        beating = {node: SupervisorState.liveness(v, now) in LIVE_STATES
+                   for node, v in zip(nodes, rest[2 * len(instances):])}
+        rest = rest[: 2 * len(instances)]
         backlog = streams.backlog(length, streams.pending_count(pending))
         if backlog > self.settings.max_backlog:
             self.shed(backlog - self.settings.max_backlog)
@@ -221,13 +232,14 @@ class Dispatcher:
             return None, True  # a new deployment: measure again with its own queues
         if current is None:
             return None, False
-        now = time.time()
         idle: list[InstanceRecord] = []
         room: list[InstanceRecord] = []
         for inst, length, liveness in zip(instances, rest[0::2], rest[1::2]):
             state = InstanceState.liveness(liveness, now)
             if state is not None and state != "ready":
                 continue  # gone or restarting: sent nothing, the others go on
+            if state is None and not beating.get(inst.node, True):
+                continue  # no record, and its node's supervisor does not beat either: the node is gone
             # No record at all: nothing says it is gone; flow control still bounds its queue.
             if length == 0:
                 idle.append(inst)
@@ -290,6 +302,10 @@ class Dispatcher:
                 if time.monotonic() >= next_sweep:
                     next_sweep = time.monotonic() + self.sweep_interval_s
                     sweep(self.r, self.settings)
+                    if self.reclaimer.check(self.deployment):
+                        # Claimed back to this consumer: read again first, like its own pending entries.
+                        self._recovering = True
+                        self._recover_from = "0"
                 self.run_once()
                 self.backoff.success()
             except Exception as exc:  # noqa: BLE001 - one failed iteration never ends the dispatcher

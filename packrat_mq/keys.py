@@ -90,6 +90,22 @@ class Keys:
         """JSON document: the configuration a model is served with now."""
         return self._key("config", model)
 
+    def deployment(self, model: str) -> str:
+        """Hash of a model's deployment by node: node -> that node's part (JSON, a ``Deployment``).
+
+        Each node's supervisor writes its own field; ``config`` is their merge,
+        rewritten in the same transaction (see :mod:`packrat_mq.deployment`).
+        """
+        return self._key("deployment", model)
+
+    def fence(self, model: str, instance_id: str) -> str:
+        """Set when a dispatcher hands a dead instance's requests back: that instance may no longer reply.
+
+        The worker checks it (WATCH) in the transaction that replies, so a
+        request re-dispatched elsewhere is answered once (see ``dispatcher.reclaiming``).
+        """
+        return self._key("fence", model, instance_id)
+
     def control(self) -> str:
         """Stream of control messages (reconfigure a model); see docs/protocol.md."""
         return f"{self.prefix}:control"

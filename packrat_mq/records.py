@@ -170,6 +170,7 @@ class DispatcherState(LiveRecord):
     """The dispatcher of one model (``<prefix>:dispatcher:<model>``)."""
 
     COUNTERS: ClassVar[tuple[str, ...]] = (*LiveRecord.COUNTERS, "batches")
+    LISTS: ClassVar[dict[str, type]] = {"nodes": str}
 
     #: The bound on the request stream this dispatcher enforces.
     max_backlog: int | None = None
@@ -179,11 +180,22 @@ class DispatcherState(LiveRecord):
     #: an older generation's instances any more.
     generation: int | None = None
     batch: int | None = None
+    #: With a deployment of several nodes, each node's generation it dispatches to (``node=generation``).
+    nodes: list[str] = []
     #: The estimator (``dispatcher.estimation``): whether it chooses B, Q̃, B̃, and a B asked for.
     adaptive: bool = False
     q_tilde: float | None = None
     b_tilde: int | None = None
     requested_batch: int | None = None
+
+    def generation_of(self, node: str) -> int | None:
+        """The generation of ``node``'s instances it dispatches to (``generation`` when it names no node at all)."""
+        for item in self.nodes:
+            name, _, gen = item.rpartition("=")
+            if name == node and gen.isdigit():
+                return int(gen)
+        # A document of several nodes that does not name this one yet: it serves none of this node's.
+        return None if self.nodes else self.generation
 
 
 class SupervisorState(LiveRecord):

@@ -34,6 +34,10 @@ class Settings(BaseSettings):
     )
     graph_mode: bool = Field(default=False, description="TorchScript trace + freeze the model.")
     heartbeat_s: float = Field(default=1.0, gt=0, description="How often instances and the dispatcher report.")
+    node_grace_s: float = Field(
+        default=10.0, gt=0,
+        description="How long an instance and its node's supervisor must both be silent (record stale or gone) "
+                    "before the dispatcher hands the requests the instance holds to other instances.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
         default="INFO", description="Log level of every packrat-mq process."
     )

@@ -33,7 +33,7 @@ from dispatcher.spec import DispatcherSpec
 from optimizer.planning.selection import choose
 from packrat_mq import control, replies
 from packrat_mq.backoff import Backoff
-from packrat_mq.deployment import Deployment, InstanceRecord
+from packrat_mq.deployment import Deployment, InstanceRecord, node_share, publish_part, withdraw_part
 from packrat_mq.exposition import ModelView, read_stream
 from packrat_mq.instances import Configuration
 from packrat_mq.keys import DISPATCHER_GROUP, WORKER_GROUP, check_model_name, control_group
@@ -196,6 +196,8 @@ class Supervisor:
         self.loop_errors = 0
         self._loop_backoff = Backoff(base=0.1, cap=5.0)
         self._started = time.time()
+        #: How often :meth:`serve_forever` checks (and so beats) when idle.
+        self._poll_s = 0.0
         #: Its own counts for the metrics (restarts, reconfigurations), and the sum of what its
         #: processes publish in their records (see :meth:`metrics_view`).
         self.tally = Tally(SUPERVISOR_HISTOGRAMS)
@@ -240,6 +242,7 @@ class Supervisor:
             predicted_latency_ms=self.configuration.predicted_latency_ms,
             adaptive=self.adaptive,
             instances=[i.record for i in self.instances],
+            threads_budget=self.threads_budget,
         )
 
     # --- starting -----------------------------------------------------
@@ -294,13 +297,20 @@ class Supervisor:
                 time.sleep(0.02)
 
     def publish(self) -> None:
-        """Make this deployment the one the dispatcher serves with."""
-        self.r.set(self.keys.config(self.model), self.deployment.model_dump_json())
+        """Make this node's instances its part of the deployment the dispatcher serves with.
+
+        Only this node's part changes: the other nodes' instances stay in the
+        document (see :func:`packrat_mq.deployment.publish_part`).
+        """
+        publish_part(self.r, self.keys, self.deployment)
         self.r.sadd(self.keys.models(), self.model)
 
     def republish_if_lost(self) -> bool:
         """Publish again when Redis lost the deployment (a restart without persistence, a FLUSHALL)."""
-        if self.r.exists(self.keys.config(self.model)):
+        pipe = self.r.pipeline(transaction=False)
+        pipe.exists(self.keys.config(self.model))
+        pipe.hexists(self.keys.deployment(self.model), self.node)
+        if all(pipe.execute()):
             return False
         log.warning("the deployment of %s is gone from Redis (restarted or flushed); publishing it again", self.model)
         self.publish()
@@ -328,6 +338,18 @@ class Supervisor:
         """The optimizer's configuration for B=``batch`` within the thread budget (as ``up`` plans)."""
         return choose(self.model, self.threads_budget, batch, self.profile, graph=self.settings.graph_mode,
                       handler=self.handler).configuration
+
+    def _share(self, batch: int) -> int:
+        """This node's part of a model-wide B: in proportion to the thread budgets of the nodes serving it."""
+        raw = self.r.get(self.keys.config(self.model))
+        if not raw:
+            return batch
+        budgets = Deployment.model_validate_json(raw).budgets
+        share = node_share(batch, budgets, self.node)
+        if share != batch:
+            log.info("model %s: B=%d over nodes %s; this node (%s) plans B=%d", self.model, batch,
+                     budgets, self.node, share)
+        return share
 
     def reconfigure(self, target: Configuration, *, reason: str = "operator", origin: str = "api",
                     adaptive: bool | None = None, message: control.ControlMessage | None = None,
@@ -440,7 +462,8 @@ class Supervisor:
         record = DispatcherState.load(self.r, self.keys.dispatcher(self.model))
         if record is None or record.effective_state(time.time()) not in ("ready", "starting"):
             return True
-        return record.generation is not None and record.generation >= generation
+        served = record.generation_of(self.node)
+        return served is not None and served >= generation
 
     def _fail(self, error: str) -> None:
         """Give a reconfiguration up while still warming: stop the passive instances, keep serving as before."""
@@ -556,7 +579,7 @@ class Supervisor:
                 target = Configuration.parse(message.instances)
             else:
                 assert message.batch is not None
-                target = self.planner(message.batch)
+                target = self.planner(self._share(message.batch))
             # An operator's B or instances pin B unless they ask for the estimator; the estimator's own keeps it.
             adaptive = message.adaptive if message.adaptive is not None else (
                 self.adaptive if message.origin == "estimator" else False)
@@ -609,7 +632,9 @@ class Supervisor:
     def _beat(self) -> None:
         """This supervisor's own record (renewed every check, so a SIGKILLed supervisor's expires)."""
         record = SupervisorState(
-            state="ready", pid=os.getpid(), host=socket.gethostname(), interval=self.settings.heartbeat_s,
+            # It beats once per check, every poll at least: a heartbeat shorter than the poll would read as stale.
+            state="ready", pid=os.getpid(), host=socket.gethostname(),
+            interval=max(self.settings.heartbeat_s, self._poll_s),
             heartbeat=time.time(), loop_errors=self.loop_errors, node=self.node, generation=self.generation,
             instances=[i.record.id for i in self.instances], with_dispatcher=self.with_dispatcher,
             adaptive=self.adaptive, phase=self.change.phase if self.change else "",
@@ -705,6 +730,7 @@ class Supervisor:
         backoff; the loop itself never sleeps longer than its poll.
         """
         stopping = False
+        self._poll_s = poll_s
 
         def _stop(signum: int, frame: Any) -> None:
             nonlocal stopping
@@ -793,9 +819,9 @@ class Supervisor:
     def retire(self) -> None:
         """Forget this supervisor's processes in Redis (after they stopped).
 
-        With its own dispatcher it also withdraws the deployment; without,
-        the deployment stays, and a supervisor started again on the same node
-        and generation takes it over.
+        With its own dispatcher it also withdraws its node's part of the
+        deployment; without, the part stays, and a supervisor started again on
+        the same node and generation takes it over.
         """
         self._absorb_quietly(self.all_instances)
         pipe = self.r.pipeline()
@@ -809,9 +835,10 @@ class Supervisor:
                 log.warning("queue %s still holds work; kept for the next start", queue)
         pipe.delete(self.keys.supervisor(self.model, self.node))
         pipe.srem(self.keys.supervisors(self.model), self.node)
-        if self.with_dispatcher:
-            pipe.delete(self.keys.config(self.model))
         pipe.execute()
+        if self.with_dispatcher:
+            # Its dispatcher is gone: its node's part goes too (other nodes' parts stay, with their own dispatcher).
+            withdraw_part(self.r, self.keys, self.model, self.node)
 
     def __enter__(self) -> Supervisor:
         try:

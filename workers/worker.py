@@ -80,6 +80,7 @@ class Worker:
         self.queue = self.keys.queue(spec.model, spec.instance_id)
         self.requests_stream = self.keys.requests(spec.model)
         self.instance_key = self.keys.instance(spec.model, spec.instance_id)
+        self.fence = self.keys.fence(spec.model, spec.instance_id)
         self._stopping = threading.Event()
         self._recovering = True
         self._last_beat = 0.0
@@ -141,6 +142,8 @@ class Worker:
         return resp[0][1] if resp else []
 
     def run(self) -> None:
+        # A new process of this instance: whatever an earlier one held was handed back when the fence was set.
+        self.r.delete(self.fence)
         self.register("ready")
         log.info("instance %s ready on cpus %s", self.spec.instance_id, self.spec.cpus)
         beat = threading.Thread(target=self._beat_forever, name="heartbeat", daemon=True)
@@ -287,6 +290,14 @@ class Worker:
     ) -> None:
         s = self.spec
         pipe = self.r.pipeline(transaction=True)
+        # A dispatcher that took this instance for dead handed its requests to others and set the
+        # fence: watched, so a fence set between this check and the EXEC aborts the transaction.
+        pipe.watch(self.fence)
+        if pipe.exists(self.fence):
+            pipe.reset()
+            self._fenced(entry_id)
+            return
+        pipe.multi()
         pairs = []
         for req, outcome in zip(requests, outcomes or []):
             timing = {
@@ -320,7 +331,11 @@ class Worker:
         pipe.lpush(self.keys.wakeup(s.model), s.instance_id)
         pipe.ltrim(self.keys.wakeup(s.model), 0, WAKEUP_CAP - 1)
         InstanceState.count(pipe, self.instance_key, "batches", renew=False)
-        results = replies.execute(pipe, f"instance {s.instance_id}")
+        try:
+            results = replies.execute(pipe, f"instance {s.instance_id}")
+        except redis.WatchError:
+            self._fenced(entry_id)  # the fence is the only key watched
+            return
         # The delivery scripts were queued first: their results come first.
         for (reply_to, group), res in zip(grouped.items(), results):
             if res == -1:
@@ -330,6 +345,15 @@ class Worker:
         self.batches += 1
         if self.tally is not None and requests:
             self._count(requests, grouped, results, started_ms, inference_ms)
+
+    def _fenced(self, entry_id: bytes) -> None:
+        """Its requests were handed to other instances (it was taken for dead): reply nothing, and stop.
+
+        Its supervisor, if alive, starts it again, and the new process lifts the fence.
+        """
+        log.error("instance %s: its requests were handed back to the dispatcher (it was taken for dead); "
+                  "sub-batch %s not answered here, stopping", self.spec.instance_id, entry_id.decode())
+        self._stopping.set()
 
     def _count(self, requests: list[protocol.Request], grouped: Mapping[str, list[Mapping[str, Any]]],
                results: list[Any], started_ms: float, inference_ms: float) -> None:

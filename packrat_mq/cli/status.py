@@ -51,6 +51,8 @@ def collect_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
             "configuration": str(deployment.configuration) if deployment else None,
             "batch": deployment.batch if deployment else None,
             "generation": deployment.generation if deployment else None,
+            #: Several nodes: each node's generation in the document (see docs/decisions.md#several-nodes).
+            "nodes": dict(deployment.nodes) if deployment else {},
             "predicted_latency_ms": deployment.predicted_latency_ms if deployment else None,
             "instances": [],
             "supervisors": [],
