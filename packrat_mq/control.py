@@ -28,9 +28,10 @@ from typing import Any
 import redis
 from pydantic import BaseModel, Field
 
-from packrat_mq import protocol
+from packrat_mq import protocol, replies
 from packrat_mq.instances import Configuration, ConfigurationError
 from packrat_mq.keys import Keys, check_model_name
+from packrat_mq.streams import ensure_group
 
 #: What a control message may ask for.
 COMMANDS = ("reconfigure", "register", "unregister")
@@ -200,6 +201,50 @@ def parse(entry_id: bytes | str, fields: dict[bytes, bytes], prefix: str) -> Con
 def send(r: redis.Redis | redis.client.Pipeline, keys: Keys, message: ControlMessage) -> Any:
     """XADD ``message`` to the control stream (kept to about :data:`STREAM_MAXLEN` entries)."""
     return r.xadd(keys.control(), message.fields(), maxlen=STREAM_MAXLEN, approximate=True)
+
+
+def read(r: redis.Redis, keys: Keys, group: str, consumer: str, *, count: int = 10,
+         block_ms: int | None = None) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    """New control messages for ``group``, acknowledged as they are read.
+
+    Acknowledged when read: a message is carried out by this reader or not
+    at all (a reader that dies mid-way is restarted with its own
+    configuration). A group lost to a Redis restart is created again, from
+    now on. Never blocks unless ``block_ms`` is given.
+    """
+    try:
+        resp = r.xreadgroup(group, consumer, {keys.control(): ">"}, count=count, block=block_ms)
+    except redis.ResponseError as exc:
+        if "NOGROUP" not in str(exc):
+            raise
+        ensure_group(r, keys.control(), group, start="$")
+        return []
+    entries = resp[0][1] if resp else []
+    if entries:
+        r.xack(keys.control(), group, *(entry_id for entry_id, _ in entries))
+    return entries
+
+
+def answer(r: redis.Redis, message: ControlMessage, *, ttl_s: int, who: str,
+           result: dict[str, Any] | None = None, error: str | None = None) -> None:
+    """Reply to ``message`` on its ``reply_to`` (nothing when it has none)."""
+    if message.reply_to:
+        deliver(r, message.reply_to, reply_fields(message.id, result=result, error=error, model=message.model,
+                                                  command=message.command), ttl_s=ttl_s, who=who)
+
+
+def refuse(r: redis.Redis, keys: Keys, entry_id: bytes, exc: ControlError, *, claimant: str, ttl_s: int,
+           who: str) -> None:
+    """Answer a message that cannot be read; every reader sees it, the first to claim it answers."""
+    if exc.reply_to and r.set(keys.lock(f"control:{entry_id.decode()}"), claimant, nx=True, ex=300):
+        deliver(r, exc.reply_to, reply_fields(exc.message_id, error=str(exc)), ttl_s=ttl_s, who=who)
+
+
+def deliver(r: redis.Redis, reply_to: str, fields: dict[str, Any], *, ttl_s: int, who: str) -> None:
+    """Write one control reply (through :mod:`packrat_mq.replies`, as every reply is written)."""
+    pipe = r.pipeline(transaction=True)
+    replies.queue(pipe, [(reply_to, fields)], ttl_s=ttl_s)
+    replies.execute(pipe, who)
 
 
 def new_id() -> str:

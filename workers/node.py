@@ -30,7 +30,7 @@ import redis
 from pydantic import BaseModel, Field
 
 from optimizer.planning.selection import choose, find_profile
-from packrat_mq import control, replies
+from packrat_mq import control
 from packrat_mq.exposition import ModelView
 from packrat_mq.handler import load_handler
 from packrat_mq.instances import Configuration
@@ -131,16 +131,8 @@ class NodePool:
 
     # --- control messages ---------------------------------------------------------
     def poll_control(self, block_ms: int | None = None) -> int:
-        try:
-            resp = self.r.xreadgroup(self.group, "pool", {self.keys.control(): ">"}, count=10, block=block_ms)
-        except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
-            ensure_group(self.r, self.keys.control(), self.group, start="$")
-            return 0
-        entries = resp[0][1] if resp else []
+        entries = control.read(self.r, self.keys, self.group, "pool", block_ms=block_ms)
         for entry_id, fields in entries:
-            self.r.xack(self.keys.control(), self.group, entry_id)
             self._on_message(entry_id, fields)
         return len(entries)
 
@@ -148,8 +140,8 @@ class NodePool:
         try:
             message = control.parse(entry_id, fields, self.settings.prefix)
         except control.ControlError as exc:
-            if exc.reply_to and self.r.set(self.keys.lock(f"control:{entry_id.decode()}"), self.node, nx=True, ex=300):
-                self._send(exc.reply_to, control.reply_fields(exc.message_id, error=str(exc)))
+            control.refuse(self.r, self.keys, entry_id, exc, claimant=self.node, ttl_s=self.settings.reply_ttl_s,
+                           who=f"node {self.node}")
             return
         if message.command == "register" and message.node == self.node:
             self._register(message)
@@ -198,14 +190,8 @@ class NodePool:
 
     def _answer(self, message: control.ControlMessage, *, result: dict[str, Any] | None = None,
                 error: str | None = None) -> None:
-        if message.reply_to:
-            self._send(message.reply_to, control.reply_fields(message.id, result=result, error=error,
-                                                              model=message.model, command=message.command))
-
-    def _send(self, reply_to: str, fields: dict[str, Any]) -> None:
-        pipe = self.r.pipeline(transaction=True)
-        replies.queue(pipe, [(reply_to, fields)], ttl_s=self.settings.reply_ttl_s)
-        replies.execute(pipe, f"node {self.node}")
+        control.answer(self.r, message, result=result, error=error, ttl_s=self.settings.reply_ttl_s,
+                       who=f"node {self.node}")
 
     def metrics_views(self) -> list[ModelView]:
         """What this node's exporter shows: each served model's pool and dispatcher (see :mod:`packrat_mq.exposition`)."""

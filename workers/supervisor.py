@@ -31,7 +31,7 @@ import redis
 
 from dispatcher.spec import DispatcherSpec
 from optimizer.planning.selection import choose
-from packrat_mq import control, replies
+from packrat_mq import control
 from packrat_mq.backoff import Backoff
 from packrat_mq.deployment import Deployment, InstanceRecord, node_share, publish_part, withdraw_part
 from packrat_mq.exposition import ModelView, read_stream
@@ -520,32 +520,16 @@ class Supervisor:
 
     def _reply(self, message: control.ControlMessage, *, result: dict[str, Any] | None = None,
                error: str | None = None) -> None:
-        if not message.reply_to:
-            return
-        pipe = self.r.pipeline(transaction=True)
-        replies.queue(pipe, [(message.reply_to, control.reply_fields(message.id, result=result, error=error,
-                                                                        model=message.model))],
-                      ttl_s=self.settings.reply_ttl_s)
-        replies.execute(pipe, f"supervisor of {self.model}")
+        control.answer(self.r, message, result=result, error=error, ttl_s=self.settings.reply_ttl_s,
+                       who=f"supervisor of {self.model}")
 
     def poll_control(self, count: int = 10, block_ms: int | None = None) -> int:
         """Read the control stream and act on this model's messages; returns how many were read.
 
         Never blocks unless ``block_ms`` is given (the idle supervision loop waits there).
         """
-        try:
-            resp = self.r.xreadgroup(self.control_group, self.node, {self.keys.control(): ">"}, count=count,
-                                     block=block_ms)
-        except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
-            ensure_group(self.r, self.keys.control(), self.control_group, start="$")
-            return 0
-        entries = resp[0][1] if resp else []
+        entries = control.read(self.r, self.keys, self.control_group, self.node, count=count, block_ms=block_ms)
         for entry_id, fields in entries:
-            # Acknowledged when read: a message is carried out by this process or not at all
-            # (a supervisor that dies mid-way is restarted with its own configuration).
-            self.r.xack(self.keys.control(), self.control_group, entry_id)
             self._on_message(entry_id, fields)
         return len(entries)
 
@@ -553,12 +537,8 @@ class Supervisor:
         try:
             message = control.parse(entry_id, fields, self.settings.prefix)
         except control.ControlError as exc:
-            # Every supervisor sees the message; the first to claim it answers.
-            if exc.reply_to and self.r.set(self.keys.lock(f"control:{entry_id.decode()}"), self.node, nx=True, ex=300):
-                pipe = self.r.pipeline(transaction=True)
-                replies.queue(pipe, [(exc.reply_to, control.reply_fields(exc.message_id, error=str(exc)))],
-                              ttl_s=self.settings.reply_ttl_s)
-                replies.execute(pipe, f"supervisor of {self.model}")
+            control.refuse(self.r, self.keys, entry_id, exc, claimant=self.node, ttl_s=self.settings.reply_ttl_s,
+                           who=f"supervisor of {self.model}")
             log.warning("control message %s refused: %s", entry_id.decode(), exc)
             return
         if message.model != self.model or message.command != "reconfigure":

@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 import click
+import redis
 
 from packrat_mq import control
 from packrat_mq.cli.helpers import connect_or_fail, echo_json, parse_handler_options, redis_options
@@ -70,22 +71,13 @@ def reconfigure(settings: Settings, model: str, batch: int | None, instances: st
     message = control.ControlMessage(id=control.new_id(), model=model, batch=batch, instances=instances,
                                      adaptive=adaptive, reason=reason, origin="cli",
                                      reply_to=keys.replies(f"control-{control.new_id()}"))
-    assert message.reply_to is not None
-    control.send(r, keys, message)
     if not as_json:
         click.echo(f"asked {model} on {', '.join(sorted(live))} for "
                    + (f"B={batch}" if batch is not None else str(instances))
                    + (" (adaptive)" if adaptive else "") + "; waiting ...", err=True)
-    try:
-        fields = control.wait_reply(r, message.reply_to, message.id, timeout)
-    finally:
-        r.delete(message.reply_to)
-    if fields is None:
-        raise click.ClickException(f"no reply within {timeout:g} s; the reconfiguration may still be in progress "
-                                   "(see `packrat-mq status`)")
-    if fields.get(b"status") != b"ok":
-        raise click.ClickException((fields.get(b"error") or b"failed").decode("utf-8", "replace"))
-    result: dict[str, Any] = json.loads(fields.get(b"payload") or b"{}")
+    result = _ask(r, settings, message, timeout,
+                  f"no reply within {timeout:g} s; the reconfiguration may still be in progress "
+                  "(see `packrat-mq status`)")
     if as_json:
         echo_json(result)
         return
@@ -167,9 +159,12 @@ def models(ctx: click.Context, settings: Settings, as_json: bool) -> None:
                    f"nodes: {nodes}{reg}")
 
 
-def _ask(settings: Settings, message: control.ControlMessage, timeout: float, what: str) -> dict[str, Any]:
-    """Send a control message and wait for its reply; a failure is one line (ClickException)."""
-    r, _ = connect_or_fail(settings)
+def _ask(r: redis.Redis, settings: Settings, message: control.ControlMessage, timeout: float,
+         no_reply: str) -> dict[str, Any]:
+    """Send a control message and wait for its reply; a failure is one line (ClickException).
+
+    ``no_reply`` is that line when no reply comes within ``timeout`` seconds.
+    """
     assert message.reply_to is not None
     control.send(r, settings.keys, message)
     try:
@@ -177,16 +172,14 @@ def _ask(settings: Settings, message: control.ControlMessage, timeout: float, wh
     finally:
         r.delete(message.reply_to)
     if fields is None:
-        raise click.ClickException(f"no reply within {timeout:g} s to {what}: is `packrat-mq node` running "
-                                   "for that node? (see `packrat-mq status`)")
+        raise click.ClickException(no_reply)
     if fields.get(b"status") != b"ok":
         raise click.ClickException((fields.get(b"error") or b"failed").decode("utf-8", "replace"))
     result: dict[str, Any] = json.loads(fields.get(b"payload") or b"{}")
     return result
 
 
-def _live_nodes(settings: Settings) -> list[str]:
-    r, _ = connect_or_fail(settings)
+def _live_nodes(r: redis.Redis, settings: Settings) -> list[str]:
     now = time.time()
     live = []
     for n in sorted(x.decode() for x in r.smembers(settings.keys.nodes())):
@@ -236,8 +229,9 @@ def register(settings: Settings, name: str, handler: str, node: str | None, opti
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--handler") from None
     options = parse_handler_options(option_pairs)
+    r, _ = connect_or_fail(settings)
     if node is None:
-        live = _live_nodes(settings)
+        live = _live_nodes(r, settings)
         if len(live) != 1:
             raise click.UsageError("give --node: " + (f"node pools running: {', '.join(live)}" if live else
                                    "no node pool is running (start one with `packrat-mq node --node NAME`)"))
@@ -247,7 +241,8 @@ def register(settings: Settings, name: str, handler: str, node: str | None, opti
                                      origin="cli", reply_to=settings.keys.replies(f"control-{control.new_id()}"))
     if not as_json:
         click.echo(f"registering {name} ({handler}) on {node}; waiting for its instances ...", err=True)
-    result = _ask(settings, message, timeout, f"register {name} on {node}")
+    result = _ask(r, settings, message, timeout, f"no reply within {timeout:g} s to register {name} on {node}: is "
+                  "`packrat-mq node` running for that node? (see `packrat-mq status`)")
     if as_json:
         echo_json(result)
         return
@@ -277,7 +272,8 @@ def unregister(settings: Settings, name: str, timeout: float, as_json: bool) -> 
         raise click.ClickException(f"{name!r} is not registered (`packrat-mq models` lists what is)")
     message = control.ControlMessage(id=control.new_id(), command="unregister", model=name, origin="cli",
                                      reply_to=settings.keys.replies(f"control-{control.new_id()}"))
-    result = _ask(settings, message, timeout, f"unregister {name}")
+    result = _ask(r, settings, message, timeout, f"no reply within {timeout:g} s to unregister {name}: is "
+                  "`packrat-mq node` running for that node? (see `packrat-mq status`)")
     if as_json:
         echo_json(result)
         return
