@@ -80,7 +80,8 @@ class Adaptive:
         self.predicted_ms: float | None = None
         #: The B asked for and when (monotonic), until a deployment with it (or the timeout).
         self._requested: tuple[int, float] | None = None
-        self.sent: list[Decision] = []
+        #: The stream's length at the last sample (see :meth:`idle`).
+        self._last_length: int | None = None
 
     # --- what the dispatch loop tells it --------------------------------
     def serving(self, batch: int, generation: int, adaptive: bool, predicted_ms: float | None) -> None:
@@ -114,8 +115,6 @@ class Adaptive:
             return (self._last_length == 0 and q is not None and q < 0.5
                     and (self.batch or 1) <= self.config.min_batch)
 
-    _last_length: int | None = None
-
     def sample(self) -> Decision | None:
         """One sample and decision (the thread's body; tests call it directly)."""
         length = self.r.xlen(self.stream)
@@ -145,7 +144,6 @@ class Adaptive:
         message = control.ControlMessage(id=control.new_id(), model=self.model, batch=decision.batch,
                                          reason=reason, origin="estimator", decided=time.time())
         control.send(self.r, self.keys, message)
-        self.sent.append(decision)
         log.info("model %s: asking for B=%d (%s)", self.model, decision.batch, reason)
 
     def _run(self) -> None:
