@@ -395,10 +395,13 @@ class Supervisor:
         # The new instance ids follow the target's order among the started ones.
         for inst in self.passive:
             self._start_instance(inst)
+        change = self.change
         log.info("reconfiguring %s: %s -> %s (%s, %s%s)", self.model, self.configuration.compact(),
-                 target.compact(), plan.kind, self.change.reason, ", over-subscribed while warming" if oversubscribed else "")
+                 target.compact(), plan.kind, change.reason, ", over-subscribed while warming" if oversubscribed else "")
         self._advance()
-        return self.change
+        # The change begun, even when it ended within this call (a reshare with no live
+        # dispatcher to wait for finishes at once and has already cleared ``self.change``).
+        return change
 
     def _advance(self) -> None:
         """One step of the reconfiguration in progress, if any; never blocks."""
