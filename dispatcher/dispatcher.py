@@ -301,7 +301,7 @@ class Dispatcher:
                 self.heartbeat()
                 if time.monotonic() >= next_sweep:
                     next_sweep = time.monotonic() + self.sweep_interval_s
-                    sweep(self.r, self.settings)
+                    sweep(self.r, self.settings, own=self.model)
                     if self.reclaimer.check(self.deployment):
                         # Claimed back to this consumer: read again first, like its own pending entries.
                         self._recovering = True

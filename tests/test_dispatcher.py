@@ -477,7 +477,7 @@ def test_sweep_answers_unknown_model(r: redis.Redis, settings: Settings) -> None
     r.xadd(ghost, {"id": "g2", "reply_to": c2, "payload": b"{}"})
     r.xadd(ghost, {"id": "g3", "payload": b"{}"})  # no reply_to: dropped
 
-    assert sweep(r, settings) == 3
+    assert sweep(r, settings, grace_ms=0) == 3
     assert r.xlen(ghost) == 0
     [g1] = replies(r, reply)
     [g2] = replies(r, c2)
@@ -488,14 +488,28 @@ def test_sweep_answers_unknown_model(r: redis.Redis, settings: Settings) -> None
     assert r.ttl(reply) > 0
     assert r.xlen(settings.keys.requests(MODEL)) == 2
     assert r.get(settings.keys.lock("orphan-sweep")) is None
-    assert sweep(r, settings) == 0  # nothing left
+    assert sweep(r, settings, grace_ms=0) == 0  # nothing left
+
+
+def test_sweep_leaves_fresh_entries_and_its_own_model_alone(r: redis.Redis, settings: Settings) -> None:
+    """After a FLUSHALL the models index is empty until the next heartbeat: that window answers nothing."""
+    ghost, mine = settings.keys.requests("ghost"), settings.keys.requests(MODEL)
+    r.xadd(ghost, {"id": "g1", "reply_to": reply_key(settings), "payload": b"{}"})
+    r.xadd(mine, {"id": "m1", "reply_to": reply_key(settings), "payload": b"{}"})
+    assert not r.sismember(settings.keys.models(), MODEL)
+    assert sweep(r, settings, own=MODEL) == 0  # both younger than three heartbeats
+    assert r.xlen(ghost) == 1 and r.xlen(mine) == 1
+    assert sweep(r, settings, own=MODEL, grace_ms=0) == 1  # the ghost only: MODEL is the sweeper's own
+    assert r.xlen(ghost) == 0 and r.xlen(mine) == 1
+    [rep] = replies(r, reply_key(settings))
+    assert rep["id"] == "g1" and "unknown model 'ghost'" in rep["error"]
 
 
 def test_sweep_skipped_while_another_holds_the_lock(r: redis.Redis, settings: Settings) -> None:
     ghost = settings.keys.requests("ghost")
     r.xadd(ghost, {"id": "g1", "reply_to": reply_key(settings), "payload": b"{}"})
     r.set(settings.keys.lock("orphan-sweep"), "1", px=2000)
-    assert sweep(r, settings) == 0
+    assert sweep(r, settings, grace_ms=0) == 0
     assert r.xlen(ghost) == 1 and replies(r, reply_key(settings)) == []
 
 
@@ -504,7 +518,7 @@ def test_sweep_ignores_other_prefixes_and_non_streams(r: redis.Redis, settings: 
     other = Settings(redis_url=settings.redis_url, prefix=f"{settings.prefix}-other").keys.requests("ghost")
     r.xadd(other, {"id": "x", "reply_to": reply_key(settings), "payload": b"{}"})
     r.set(settings.keys.requests("not-a-stream"), "v")
-    assert sweep(r, settings) == 0
+    assert sweep(r, settings, grace_ms=0) == 0
     assert r.xlen(other) == 1 and replies(r, reply_key(settings)) == []
 
 
@@ -512,7 +526,7 @@ def test_sweep_respects_prefix(r: redis.Redis, settings: Settings) -> None:
     tenant = Settings(redis_url=settings.redis_url, prefix=f"{settings.prefix}-tenant")
     r.xadd(tenant.keys.requests("ghost"), {"id": "x", "reply_to": tenant.keys.replies("c"), "payload": b"{}"})
     r.xadd(settings.keys.requests("ghost"), {"id": "y", "reply_to": reply_key(settings), "payload": b"{}"})
-    assert sweep(r, tenant) == 1
+    assert sweep(r, tenant, grace_ms=0) == 1
     assert replies(r, tenant.keys.replies("c"))[0]["id"] == "x"
     assert r.xlen(settings.keys.requests("ghost")) == 1
 
@@ -541,7 +555,7 @@ def test_sweep_survives_reply_to_of_wrong_type(r: redis.Redis, settings: Setting
     ghost = settings.keys.requests("ghost")
     r.xadd(ghost, {"id": "g0", "reply_to": not_a_stream, "payload": b"{}"})
     r.xadd(ghost, {"id": "g1", "reply_to": reply_key(settings), "payload": b"{}"})
-    assert sweep(r, settings) == 2
+    assert sweep(r, settings, grace_ms=0) == 2
     assert [rep["id"] for rep in replies(r, reply_key(settings))] == ["g1"]
     assert r.xlen(ghost) == 0
 
