@@ -81,6 +81,22 @@ class BaseHandler:
         self.model = self.prepare(self.load_model(context))
         self.initialized = True
 
+    def rethread(self, context: Context) -> None:
+        """The instance moves to other cores, thread count or batch size, with its model loaded.
+
+        Called by a reconfiguration that re-uses a loaded (spare) instance
+        instead of starting a process; torch's pools are already resized.
+        The default keeps the model, except in graph mode when the batch
+        size changes: a graph is traced at one size, so the model is loaded
+        and traced again (still cheaper than a new process). Override it if
+        the handler keeps anything that depends on the thread count.
+        """
+        old = self.context
+        self.context = context
+        if context.graph_mode and self.traceable and (old is None or old.batch_size != context.batch_size
+                                                      or not old.graph_mode):
+            self.model = self.prepare(self.load_model(context))
+
     def prepare(self, model: Any) -> Any:
         """The model as served: in eval mode, and in graph mode traced at ``context.batch_size``."""
         if hasattr(model, "eval"):

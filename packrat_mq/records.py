@@ -33,7 +33,7 @@ EXPIRE_AFTER = 30.0
 #: between restarts) keeps the record of the instance it is restarting.
 MIN_TTL_S = 60
 #: States written by a live process that a stale heartbeat contradicts.
-LIVE_STATES = ("starting", "ready")
+LIVE_STATES = ("starting", "ready", "spare")
 
 
 def ttl_for(interval_s: float) -> int:

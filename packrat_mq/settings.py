@@ -69,6 +69,19 @@ class Settings(BaseSettings):
     trigger_period_s: float = Field(
         default=1.0, gt=0, description="Window of the batch-timeout and queueing-delay triggers."
     )
+    spare_instances: int | None = Field(
+        default=None, ge=0,
+        description="Loaded instances a supervisor keeps beyond the ones it serves with, so that a "
+                    "reconfiguration re-threads them in place instead of starting processes. Unset: for an "
+                    "adaptive deployment, the most instances any plan of its batch range needs; 0 otherwise.")
+    prewarm_spares: bool = Field(
+        default=False,
+        description="Start the spare instances right after start-up (one at a time), so that even the first "
+                    "reconfiguration is made from loaded instances; costs their memory from the start.")
+    spare_min_free_fraction: float = Field(
+        default=0.1, ge=0, lt=1,
+        description="A spare is kept or started only while the machine's available memory stays above this "
+                    "fraction of its total.")
 
     # --- metrics (packrat_mq.exposition) ---
     metrics_port: int | None = Field(

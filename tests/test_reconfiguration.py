@@ -294,3 +294,90 @@ def test_the_estimator_moves_b_with_the_load(make: MakeSupervisor, r: redis.Redi
     reasons = [e["origin"] for e in history(r, settings, "sleep")]
     assert set(reasons) == {"estimator"}
     assert_exactly_once(load, r, settings)
+
+
+# --- spares: loaded instances rebound in place ----------------------------------
+def pids_of(sup: Supervisor) -> set[int]:
+    return {i.child.process.pid for i in sup.all_instances if i.child.process is not None}
+
+
+@TWO_CORES
+def test_retired_instances_become_spares_and_later_changes_rebind_them(
+        make: MakeSupervisor, r: redis.Redis, settings: Settings, redis_url: str, prefix: str) -> None:
+    """After the first active-passive change, going back and forth starts no process: spares are rebound."""
+    sup = make("sleep", "2x4")
+    sup.settings = sup.settings.model_copy(update={"spare_instances": 2})
+    sup.start(ready_timeout=60)
+    original = sup.instances[0]
+    with Load(redis_url, prefix, "sleep", clients=6) as load:
+        time.sleep(0.5)
+        first = sup.reconfigure(Configuration.parse("1x2,1x2"))
+        assert first.reused == 0  # no spare yet: two processes started
+        supervise_until(sup, lambda: sup.change is None, 60, "the first switch")
+        assert sup.spares == [original] and original.child.running()
+        wait_for(lambda: r.hget(settings.keys.instance("sleep", original.record.id), "state") == b"spare", 10,
+                 "the retired instance to say spare")
+        pids = pids_of(sup)
+        assert len(pids) == 3
+        back = sup.reconfigure(Configuration.parse("2x4"))
+        assert back.reused == 1 and sup.passive == [original]  # the very same process, bound again
+        supervise_until(sup, lambda: sup.change is None, 60, "the switch back")
+        assert [i.record.id for i in sup.instances] == [original.record.id]
+        assert len(sup.spares) == 2
+        again = sup.reconfigure(Configuration.parse("1x2,1x2"))
+        assert again.reused == 2
+        supervise_until(sup, lambda: sup.change is None, 60, "the third switch")
+        time.sleep(0.5)
+    assert pids_of(sup) == pids, "no process started or stopped after the first change"
+    assert [i.record.threads for i in sup.instances] == [1, 1]
+    for inst in sup.instances:
+        rec = r.hgetall(settings.keys.instance("sleep", inst.record.id))
+        assert rec[b"state"] == b"ready" and rec[b"threads"] == b"1" and rec[b"batch"] == b"2"
+    entries = history(r, settings, "sleep")
+    assert [e["reused"] for e in reversed(entries)] == [0, 1, 2]
+    assert all(e["status"] == "done" for e in entries)
+    assert_exactly_once(load, r, settings)
+    # Stopping stops the spares too, and forgets their records.
+    sup.stop(timeout=10)
+    assert not any(i.child.running() for i in sup.all_instances)
+    assert r.smembers(settings.keys.instances("sleep")) == set()
+
+
+@TWO_CORES
+def test_prewarmed_spares_make_even_the_first_change_without_a_start(
+        make: MakeSupervisor, r: redis.Redis, settings: Settings, redis_url: str, prefix: str) -> None:
+    sup = make("sleep", "2x4")
+    sup.settings = sup.settings.model_copy(update={"spare_instances": 2, "prewarm_spares": True})
+    sup.start(ready_timeout=60)
+    supervise_until(sup, lambda: len(sup.spares) == 2 and all(sup._is_spare(i) for i in sup.spares), 60,
+                    "two spares to load")
+    assert r.hget(settings.keys.supervisor("sleep", "n1"), "instances") == sup.instances[0].record.id.encode()
+    with Load(redis_url, prefix, "sleep", clients=6) as load:
+        time.sleep(0.5)
+        change = sup.reconfigure(Configuration.parse("1x2,1x2"))
+        assert change.reused == 2
+        supervise_until(sup, lambda: sup.change is None, 60, "the switch")
+        time.sleep(0.5)
+    assert {i.record.id for i in sup.instances} == {f"n1-spare-{k}" for k in (1, 2)}
+    assert_exactly_once(load, r, settings)
+
+
+@TWO_CORES
+def test_a_spare_killed_while_rebinding_comes_back_bound(
+        make: MakeSupervisor, r: redis.Redis, settings: Settings, redis_url: str, prefix: str) -> None:
+    sup = make("sleep", "2x4")
+    sup.settings = sup.settings.model_copy(update={"spare_instances": 1, "prewarm_spares": True})
+    sup.start(ready_timeout=60)
+    supervise_until(sup, lambda: len(sup.spares) == 1 and sup._is_spare(sup.spares[0]), 60, "a spare")
+    spare = sup.spares[0]
+    with Load(redis_url, prefix, "sleep", clients=6) as load:
+        time.sleep(0.3)
+        change = sup.reconfigure(Configuration.parse("1x2,1x2"))
+        assert change.reused == 1
+        os.kill(spare.child.process.pid, signal.SIGKILL)
+        supervise_until(sup, lambda: sup.change is None, 90, "the switch with a killed spare")
+        time.sleep(0.5)
+    assert spare.child.restarts >= 1 and spare in sup.instances
+    rec = r.hgetall(settings.keys.instance("sleep", spare.record.id))
+    assert rec[b"state"] == b"ready" and rec[b"threads"] == b"1"
+    assert_exactly_once(load, r, settings)

@@ -107,6 +107,8 @@ class Reconfiguration:
     #: When the phase began (monotonic), for its timeout.
     phase_since: float = field(default_factory=time.monotonic)
     error: str | None = None
+    #: How many of the new instances were spares rebound in place instead of processes started.
+    reused: int = 0
 
     def enter(self, phase: str) -> None:
         now = time.time()
@@ -151,5 +153,6 @@ class Reconfiguration:
             "switch_to_drained_s": span(self.switched, self.drained),
             "total_s": span(self.decided, end),
             # Cores are shared from the passive instances' start until the old ones stopped.
+            "reused": self.reused,
             "oversubscribed_s": span(self.began, self.stopped) if self.oversubscribed else 0.0,
         }

@@ -98,6 +98,22 @@ def start(spec: RuntimeSpec, *, warm_up: bool = True) -> BaseHandler:
     return handler
 
 
+def rebind(handler: BaseHandler, spec: RuntimeSpec, *, warm_up: bool = True) -> None:
+    """Move a loaded instance to ``spec``'s cores, threads and batch, without a new process.
+
+    What a reconfiguration does with a spare instance: pin again, resize
+    torch's intra-op pool (``torch.set_num_threads`` takes effect at the next
+    parallel region; the inter-op pool stays at one), let the handler adapt
+    (:meth:`BaseHandler.rethread`), and warm up at the new size.
+    """
+    if spec.pin and spec.cpus:
+        pin(spec.cpus)
+    size_torch(spec.threads)
+    handler.rethread(spec.context())
+    if warm_up:
+        warm(handler, spec.batch)
+
+
 def warm(handler: BaseHandler, batch: int) -> None:
     """One batch of the serving size before taking traffic (allocator, oneDNN primitives, JIT caches)."""
     try:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import redis
 
 from dispatcher.spec import DispatcherSpec
@@ -44,6 +45,7 @@ from packrat_mq.streams import ensure_group
 from packrat_mq.topology import Topology
 from workers.allocation import AllocationError, CoreAssignment, allocate
 from workers.launch import instance_env, spawn
+from workers import rebinding
 from workers.reconfiguration import HISTORY, Reconfiguration, plan_change
 from workers.worker import WorkerSpec
 
@@ -180,8 +182,14 @@ class Supervisor:
         self.instances = [self._instance(a, generation) for a in self.assignments]
         #: Started by a reconfiguration, warming up, not yet served to.
         self.passive: list[Instance] = []
-        #: Left out of the deployment by a reconfiguration: answering what they hold, then stopped.
+        #: Left out of the deployment by a reconfiguration: answering what they hold, then stopped
+        #: (or kept as spares).
         self.retiring: list[Instance] = []
+        #: Loaded instances serving no one, which a reconfiguration rebinds instead of starting
+        #: processes (see :mod:`workers.rebinding`).
+        self.spares: list[Instance] = []
+        self._spare_seq = 0
+        self._largest: int | None = None
         self.dispatcher = self._dispatcher() if with_dispatcher else None
         #: Whether the dispatcher's estimator chooses B (see ``dispatcher.estimation``).
         self.adaptive = adaptive
@@ -223,8 +231,8 @@ class Supervisor:
 
     @property
     def all_instances(self) -> list[Instance]:
-        """Active, passive and retiring instances: every worker process this supervisor owns."""
-        return self.instances + self.passive + self.retiring
+        """Active, passive, retiring and spare instances: every worker process this supervisor owns."""
+        return self.instances + self.passive + self.retiring + self.spares
 
     @property
     def children(self) -> list[Child]:
@@ -391,13 +399,22 @@ class Supervisor:
             oversubscribed=oversubscribed)
         self._kept = [(inst, batch) for inst, (_, batch) in zip(kept, plan.kept)]
         self._leaving = leaving
-        self.passive = [self._instance(a, generation) for a in assignments]
-        # The new instance ids follow the target's order among the started ones.
-        for inst in self.passive:
-            self._start_instance(inst)
+        self.passive = []
+        for a in assignments:
+            spare = self._take_spare(a)
+            if spare is not None:
+                self._bind(spare, a)
+                self.change.reused += 1
+                self.passive.append(spare)
+            else:
+                inst = self._instance(a, generation)
+                self._start_instance(inst)
+                self.passive.append(inst)
         change = self.change
-        log.info("reconfiguring %s: %s -> %s (%s, %s%s)", self.model, self.configuration.compact(),
-                 target.compact(), plan.kind, change.reason, ", over-subscribed while warming" if oversubscribed else "")
+        log.info("reconfiguring %s: %s -> %s (%s, %s%s%s)", self.model, self.configuration.compact(),
+                 target.compact(), plan.kind, change.reason,
+                 f", {change.reused} of {len(self.passive)} new instances from spares" if change.reused else "",
+                 ", over-subscribed while warming" if oversubscribed else "")
         self._advance()
         # The change begun, even when it ended within this call (a reshare with no live
         # dispatcher to wait for finishes at once and has already cleared ``self.change``).
@@ -416,7 +433,7 @@ class Supervisor:
             if time.monotonic() - change.phase_since > self.ready_timeout_s:
                 self._fail(f"new instances not ready after {self.ready_timeout_s:.0f} s")
                 return
-            if not all(inst.child.running() and self._is_ready(inst.child) for inst in self.passive):
+            if not all(inst.child.running() and self._bound(inst) for inst in self.passive):
                 return
             self._switch()
             return
@@ -428,6 +445,8 @@ class Supervisor:
         if change.phase == "draining":
             if any(self.r.xlen(self.keys.queue(self.model, i.record.id)) for i in self.retiring):
                 return
+            kept = self._keep_as_spares(self.retiring)
+            self.retiring = [i for i in self.retiring if i not in kept]
             for inst in self.retiring:
                 inst.child.wanted = False
                 inst.child.next_start = 0.0
@@ -459,6 +478,116 @@ class Supervisor:
         self.publish()
         change.enter("switching")
         self._advance()
+
+    # --- spares ---------------------------------------------------------
+    def spare_cap(self) -> int:
+        """How many spares to keep: the setting, or for an adaptive deployment the largest plan's instance count."""
+        if self.settings.spare_instances is not None:
+            return self.settings.spare_instances
+        if not self.adaptive:
+            return 0
+        if self._largest is None:
+            self._largest = self._largest_plan()
+        return self._largest
+
+    def _largest_plan(self) -> int:
+        """The most instances any plan of the adaptive range (every power of two B) has."""
+        s = self.settings
+        largest, b = 0, 1
+        while b <= s.adaptive_max_batch:
+            if b >= s.adaptive_min_batch:
+                try:
+                    largest = max(largest, len(self.planner(self._share(b)).instances))
+                except Exception as exc:  # noqa: BLE001 - a B the profile cannot plan keeps no spare for it
+                    log.debug("no plan for B=%d to size the spares by: %s", b, exc)
+            b *= 2
+        return largest
+
+    def _room_for_spare(self) -> bool:
+        """Whether the machine has memory to spare (above ``spare_min_free_fraction`` available)."""
+        vm = psutil.virtual_memory()
+        return vm.available > self.settings.spare_min_free_fraction * vm.total
+
+    def _take_spare(self, a: CoreAssignment) -> Instance | None:
+        """A spare for ``a``: a live one already on its cpus and threads if any, else any live one."""
+        live = [i for i in self.spares if i.child.running()]
+        if not live:
+            return None
+        same = [i for i in live if i.record.threads == a.threads and i.record.cpus == list(a.cpus)]
+        inst = (same or live)[0]
+        self.spares.remove(inst)
+        return inst
+
+    def _bind(self, inst: Instance, a: CoreAssignment) -> None:
+        """Order a spare to serve as ``a`` (threads, batch, cpus); a restart of it starts it so bound."""
+        spec = inst.spec.model_copy(update={"threads": a.threads, "batch": a.batch, "cpus": list(a.cpus),
+                                            "socket": a.socket, "pin": a.pin, "spare": False})
+        self._rebound(inst, spec)
+        rebinding.send(self.r, self.keys.queue(self.model, inst.record.id),
+                       rebinding.Order(role="serve", threads=a.threads, batch=a.batch, cpus=list(a.cpus),
+                                       socket=a.socket, pin=a.pin))
+        log.info("rebinding spare %s to %d threads, batch %d, cpus %s", inst.record.id, a.threads, a.batch,
+                 list(a.cpus))
+
+    def _rebound(self, inst: Instance, spec: WorkerSpec) -> None:
+        inst.spec = spec
+        inst.record = inst.record.model_copy(update={"threads": spec.threads, "batch": spec.batch,
+                                                     "cpus": list(spec.cpus), "socket": spec.socket})
+        inst.child.spec_json = spec.model_dump_json()
+        inst.child.env = instance_env(spec.threads, self.settings)
+
+    def _bound(self, inst: Instance) -> bool:
+        """Whether the instance's own record says ``ready`` with its pid and the binding it was given."""
+        assert inst.child.process is not None
+        rec = InstanceState.load(self.r, inst.child.record_key)
+        return (rec is not None and rec.state == "ready" and rec.pid == inst.child.process.pid
+                and rec.threads == inst.record.threads and rec.batch == inst.record.batch
+                and rec.cpus == inst.record.cpus)
+
+    def _keep_as_spares(self, leaving: list[Instance]) -> list[Instance]:
+        """Of the drained instances leaving, those kept loaded as spares (the cap and the memory allowing)."""
+        kept = []
+        for inst in leaving:
+            if len(self.spares) >= self.spare_cap() or not inst.child.running() or not self._room_for_spare():
+                break
+            inst.spec = inst.spec.model_copy(update={"spare": True})
+            inst.child.spec_json = inst.spec.model_dump_json()
+            rebinding.send(self.r, self.keys.queue(self.model, inst.record.id), rebinding.Order(role="spare"))
+            self.spares.append(inst)
+            kept.append(inst)
+        if kept:
+            log.info("kept %d retired instances loaded as spares (%d spares)", len(kept), len(self.spares))
+        return kept
+
+    def _prewarm(self) -> None:
+        """Start one more spare if asked to pre-start them, none is starting and there is room; never blocks."""
+        if not self.settings.prewarm_spares or self.change is not None or len(self.spares) >= self.spare_cap():
+            return
+        if any(not self._is_spare(i) for i in self.spares) or not self._room_for_spare():
+            return  # one at a time: a start takes CPU from the instances serving
+        cores = self.topology.cores
+        pin = not self.topology.simulated
+        cpus = [c.cpus[0] for c in cores if c.socket == cores[0].socket]
+        self._spare_seq += 1
+        record = InstanceRecord(id=f"{self.node}-spare-{self._spare_seq}", threads=1, batch=1, cpus=cpus,
+                                socket=cores[0].socket, node=self.node)
+        spec = WorkerSpec(url=self.url, settings=self.settings, model=self.model, handler=self.handler,
+                          instance_id=record.id, threads=1, batch=1, cpus=cpus, socket=record.socket, pin=pin,
+                          graph_mode=self.settings.graph_mode, options=self.options, parent_pid=os.getpid(),
+                          spare=True)
+        child = Child(name=f"instance {record.id}", module="workers.worker", spec_json=spec.model_dump_json(),
+                      record_key=self.keys.instance(self.model, record.id), record=InstanceState,
+                      env=instance_env(1, self.settings))
+        inst = Instance(record=record, spec=spec, child=child)
+        self._start_instance(inst)
+        self.spares.append(inst)
+
+    def _is_spare(self, inst: Instance) -> bool:
+        """Whether a spare has loaded (its record says ``spare`` with its pid)."""
+        if inst.child.process is None:
+            return False
+        rec = InstanceState.load(self.r, inst.child.record_key)
+        return rec is not None and rec.state == "spare" and rec.pid == inst.child.process.pid
 
     def _dispatcher_adopted(self, generation: int) -> bool:
         """Whether the dispatcher serves ``generation`` (or none is alive to send anything at all)."""
@@ -595,6 +724,7 @@ class Supervisor:
         self.republish_if_lost()
         self.poll_control()
         self._advance()
+        self._prewarm()
         self._beat()
         return restarted
 
@@ -640,7 +770,7 @@ class Supervisor:
         tallies up, and counts the instances by state and role.
         """
         roles = ([(i, "active") for i in self.instances] + [(i, "passive") for i in self.passive]
-                 + [(i, "retiring") for i in self.retiring])
+                 + [(i, "retiring") for i in self.retiring] + [(i, "spare") for i in self.spares])
         change = self.change
         view = ModelView(model=self.model, tally=Tally(), pool=True, dispatcher=self.with_dispatcher,
                          phase=change.phase if change else "")

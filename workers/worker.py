@@ -42,7 +42,7 @@ from packrat_mq.metrics import WORKER_HISTOGRAMS, Tally, count_replies
 from packrat_mq.records import InstanceState
 from packrat_mq.recovery import recover
 from packrat_mq.settings import Settings
-from workers import runtime
+from workers import rebinding, runtime
 from workers.launch import read_spec
 from workers.runtime import RuntimeSpec
 
@@ -66,6 +66,8 @@ class WorkerSpec(RuntimeSpec):
     #: The supervisor's pid: the worker stops when it is no longer its parent
     #: (a SIGKILLed supervisor must not leave instances running unsupervised).
     parent_pid: int | None = None
+    #: Start as a spare: loaded and warm, but serving no one until a ``serve`` order (:mod:`workers.rebinding`).
+    spare: bool = False
 
 
 class Worker:
@@ -144,7 +146,7 @@ class Worker:
     def run(self) -> None:
         # A new process of this instance: whatever an earlier one held was handed back when the fence was set.
         self.r.delete(self.fence)
-        self.register("ready")
+        self.register("spare" if self.spec.spare else "ready")
         log.info("instance %s ready on cpus %s", self.spec.instance_id, self.spec.cpus)
         beat = threading.Thread(target=self._beat_forever, name="heartbeat", daemon=True)
         beat.start()
@@ -193,6 +195,9 @@ class Worker:
         if not fields:
             self._finish(entry_id, [])
             return
+        if rebinding.is_order(fields):
+            self.rebind(entry_id, fields)
+            return
         try:
             requests = protocol.decode_subbatch(fields)
         except Exception as exc:  # noqa: BLE001
@@ -220,6 +225,51 @@ class Worker:
                         for _ in requests]
             inference_ms = 0.0
         self._finish(entry_id, requests, outcomes, started_ms=started_ms, inference_ms=inference_ms)
+
+    def rebind(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+        """Carry out a supervisor's order (:mod:`workers.rebinding`), then acknowledge it.
+
+        A ``serve`` order re-pins and re-threads the loaded model and warms
+        it up at the new batch size; the record says ``starting`` meanwhile
+        and ``ready`` with the new binding after, which is what the
+        supervisor waits for. If it fails the process stops: the
+        supervisor starts a new one with the new binding, which takes the
+        order again.
+        """
+        try:
+            order = rebinding.parse(fields)
+        except ValueError as exc:
+            log.error("unreadable order %s dropped: %s", entry_id, exc)
+            self._ack(entry_id)
+            return
+        if order.role == "spare":
+            self.spec = self.spec.model_copy(update={"spare": True})
+            self._state = "spare"
+        else:
+            new = self.spec.model_copy(update={"threads": order.threads, "batch": order.batch, "cpus": order.cpus,
+                                               "socket": order.socket, "pin": order.pin, "spare": False})
+            self.register("starting")
+            began = time.monotonic()
+            try:
+                assert self.handler is not None, "no handler: serve after workers.runtime.start"
+                runtime.rebind(self.handler, new)
+            except Exception:  # noqa: BLE001 - the supervisor starts a fresh process with the new binding
+                log.exception("instance %s could not be rebound to %d threads on cpus %s; stopping",
+                              self.spec.instance_id, order.threads, order.cpus)
+                self._stopping.set()
+                return
+            self.spec = new
+            self._state = "ready"
+            log.info("instance %s rebound to %d threads, batch %d, cpus %s in %.2f s", new.instance_id,
+                     new.threads, new.batch, new.cpus, time.monotonic() - began)
+        self._write_record()
+        self._ack(entry_id)
+
+    def _ack(self, entry_id: bytes) -> None:
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xack(self.queue, WORKER_GROUP, entry_id)
+        pipe.xdel(self.queue, entry_id)
+        pipe.execute()
 
     def fetch_payloads(self, requests: list[protocol.Request]) -> None:
         """Read the sub-batch's payloads from the request stream, where the producer wrote them.

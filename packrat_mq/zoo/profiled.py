@@ -54,6 +54,11 @@ class ProfiledHandler(BaseHandler):
         self.sizes, self.latencies = _row(read_latencies(path), context.threads, path)
         return None
 
+    def rethread(self, context: Context) -> None:
+        """A re-threaded instance sleeps its new thread count's row."""
+        super().rethread(context)
+        self.load_model(context)
+
     def latency_ms(self, batch: int) -> float:
         """``L[t, batch]`` of this instance's ``t``, in profile milliseconds (before ``time_scale``)."""
         sizes, lat = self.sizes, self.latencies
