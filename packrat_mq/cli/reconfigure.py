@@ -97,6 +97,8 @@ def describe_change(model: str, entry: dict[str, Any]) -> str:
             f"{entry['kind']}, generation {entry['generation']}, {entry['reason']}): "
             f"ready {s('decision_to_ready_s')}, switched {s('ready_to_switch_s')}, drained {s('switch_to_drained_s')}, "
             f"total {s('total_s')}")
+    if entry.get("reused"):
+        text += f"; {entry['reused']} instances rebound from spares"
     if entry.get("oversubscribed_s"):
         text += f"; cores shared for {s('oversubscribed_s')}"
     if entry.get("error"):

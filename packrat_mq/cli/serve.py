@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import click
@@ -57,6 +57,12 @@ class ServePlan:
     threads: int | None = None
     #: The machine to allocate on: a synthetic one with ``--simulate-cores``, else None (this one).
     topology: Topology | None = None
+    #: Settings the command line gives (``--spares``, ``--prewarm``), applied over the environment's.
+    setting_updates: dict[str, Any] = field(default_factory=dict)
+
+    def settings(self, settings: Settings) -> Settings:
+        """``settings`` with this plan's graph mode and command-line settings."""
+        return settings.model_copy(update={"graph_mode": self.graph, **self.setting_updates})
 
 
 def model_and_handler(model: str, name: str | None) -> tuple[str, str]:
@@ -200,11 +206,18 @@ def serving_options(func: Callable[..., Any]) -> Callable[..., Any]:
     @click.option("--simulate-cores", type=click.IntRange(min=1), default=None, metavar="N",
                   help="Simulate one socket of N cores: cpus 0..N-1 are labels, nothing is pinned. "
                        "Only for echo, sleep and profiled (which sleeps as a profile says).")
+    @click.option("--spares", type=click.IntRange(min=0), default=None, metavar="N",
+                  help="Loaded instances to keep beyond those serving, for reconfigurations to rebind in place "
+                       "instead of starting processes (default: the largest plan's instance count when B is "
+                       "adaptive, else 0); env PACKRAT_SPARE_INSTANCES.")
+    @click.option("--prewarm/--no-prewarm", default=None,
+                  help="Start the spares right after start-up, so the first change is fast too "
+                       "(default off: spares are the instances a change retired); env PACKRAT_PREWARM_SPARES.")
     @functools.wraps(func)
     def wrapper(*args: Any, model: str, instances: str | None, threads: int | None, batch: int | None,
                 adaptive: bool, profile: str | None, graph: bool, option_pairs: tuple[str, ...],
                 node: str | None, name: str | None, exit_with_parent: bool, simulate_cores: int | None,
-                **kwargs: Any) -> Any:
+                spares: int | None, prewarm: bool | None, **kwargs: Any) -> Any:
         served, handler = model_and_handler(model, name)
         require_handler(handler)
         topology = simulated_topology(simulate_cores, handler)
@@ -214,8 +227,13 @@ def serving_options(func: Callable[..., Any]) -> Callable[..., Any]:
         config, profile_path = choose_configuration(served, instances, threads, batch, profile, graph, handler,
                                                     topology, fit=True)
         adaptive = adaptive or (batch is None and instances is None)
+        updates: dict[str, Any] = {}
+        if spares is not None:
+            updates["spare_instances"] = spares
+        if prewarm is not None:
+            updates["prewarm_spares"] = prewarm
         plan = ServePlan(served, handler, config, profile_path, options, node, graph, exit_with_parent,
-                         adaptive=adaptive, threads=threads, topology=topology)
+                         adaptive=adaptive, threads=threads, topology=topology, setting_updates=updates)
         return func(*args, plan=plan, **kwargs)
 
     return wrapper
@@ -301,15 +319,15 @@ def up(settings: Settings, plan: ServePlan, batch_timeout_ms: float | None) -> N
       packrat-mq up --model resnet50                               # adaptive: B follows the load from 1
       packrat-mq up --model resnet50 --threads 16 --batch 32      # optimizer picks, B pinned
       packrat-mq up --model resnet50 --batch 8 --adaptive         # adaptive, starting at B=8
+      packrat-mq up --model resnet50 --prewarm                     # adaptive, spares loaded from the start
       packrat-mq up --model minilm -i 2*1x4 --redis-url redis://localhost:6379/0
       packrat-mq up --model profiled -o profile=profiles/sim/resnet50-16core.json -o time_scale=0.1 \\
                     --simulate-cores 64                            # 64 simulated cores, adaptive B
     """
     logs.configure(settings, "up")
-    updates: dict[str, Any] = {"graph_mode": plan.graph}
+    settings = plan.settings(settings)
     if batch_timeout_ms is not None:
-        updates["batch_timeout_ms"] = batch_timeout_ms
-    settings = settings.model_copy(update=updates)
+        settings = settings.model_copy(update={"batch_timeout_ms": batch_timeout_ms})
     embedded = None
     try:
         url = settings.redis_url or discover_url()
@@ -335,7 +353,7 @@ def pool(settings: Settings, plan: ServePlan) -> None:
       packrat-mq pool --model resnet50 -i 4*4x8 --redis-url redis://redis:6379/0
     """
     logs.configure(settings, "pool")
-    settings = settings.model_copy(update={"graph_mode": plan.graph})
+    settings = plan.settings(settings)
     _, url = connect_or_fail(settings)
     _run(settings, url, plan, with_dispatcher=False)
 

@@ -81,6 +81,8 @@ def collect_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
                 "socket": h.socket if h else 0,
                 "queue": r.xlen(keys.queue(model, iid)),
                 "batches": h.batches if h else 0,
+                # In the deployment (served to), or loaded and kept for a reconfiguration (state "spare").
+                "serving": iid in shares,
             })
         for node in sorted(n.decode() for n in r.smembers(keys.supervisors(model))):
             sup = SupervisorState.load(r, keys.supervisor(model, node))
