@@ -10,7 +10,8 @@ arrivals at a rate that changes over time):
 - ``diurnal``: rates whose ideal batch sizes are 8, 16, 32, 16 and 8.
 
 The setups: ``adaptive`` (``up`` without ``--batch``: the estimator chooses B
-from B=1), ``static-1`` (``--batch 1``) and ``static-32`` (``--batch 32``),
+from B=1, spare instances loaded from the start), ``adaptive-no-prewarm``
+(spares only once a change retires instances), ``static-1`` (``--batch 1``) and ``static-32`` (``--batch 32``),
 with the same batch wait (50 ms, as the peers benchmark). Rates come from the
 model's profile: the capacity of batch B is ``B / L(B)``, with ``L(B)`` the
 optimizer's predicted latency for (T, B), and the rate "whose ideal batch is
@@ -58,6 +59,8 @@ from packrat_mq.topology import Topology  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCH_WAIT_MS = 50.0
+#: Seconds into a phase after which a change counts as "under steady load".
+SETTLE_S = 5.0
 
 
 @dataclass
@@ -261,6 +264,8 @@ def run_setup(name: str, args: argparse.Namespace, url: str, phases: list[Phase]
         cmd += ["--batch", "1"]
     elif name == "static-32":
         cmd += ["--batch", "32"]
+    elif name == "adaptive-no-prewarm":
+        cmd += ["--no-prewarm"]  # spares only once a change retires instances
     env = dict(os.environ, PACKRAT_LOG_LEVEL="WARNING")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     lines: list[str] = []
@@ -322,7 +327,7 @@ def analyse(name: str, driver: Driver, samples: list[dict[str, Any]], history: l
         window = [x[1] for x in latencies if at is not None and abs(x[0] - at) <= 2.5]
         switches.append({**{k: e.get(k) for k in ("reason", "kind", "from", "to", "from_batch", "to_batch",
                                                    "decision_to_ready_s", "ready_to_switch_s", "switch_to_drained_s",
-                                                   "total_s", "oversubscribed_s", "status")},
+                                                   "total_s", "oversubscribed_s", "status", "reused")},
                          "at_s": round(at - driver.t0, 2) if at else None,
                          "p50_ms_5s": percentile(window, 50), "p99_ms_5s": percentile(window, 99)})
     all_ms = [x[1] for x in latencies]
@@ -346,7 +351,7 @@ def targets(results: dict[str, Any]) -> list[str]:
     out = []
     setups = results["setups"]
     a = setups.get("adaptive")
-    statics = {k: v for k, v in setups.items() if k != "adaptive"}
+    statics = {k: v for k, v in setups.items() if k.startswith("static")}
     if not a:
         return out
     out.append(f"lost {sum(s['lost'] for s in setups.values())}, duplicated {sum(s['duplicated'] for s in setups.values())} "
@@ -364,9 +369,29 @@ def targets(results: dict[str, Any]) -> list[str]:
     if idle and idle["p50_ms"] and idle["inference_ms_b1_p50"]:
         out.append(f"idle: p50 {idle['p50_ms']:.1f} ms vs inference_ms at B=1 {idle['inference_ms_b1_p50']:.1f} ms "
                    f"(+{idle['p50_ms'] - idle['inference_ms_b1_p50']:.1f} ms; target <= 3 ms)")
-    steady = [p for p in a["phases"] if p.startswith("diurnal") or p in ("idle", "step")]
     out.append(f"adaptive reconfigurations: {len(a['reconfigurations'])} over the trace")
-    del steady
+    # Under steady load: a change decided more than SETTLE_S into a phase of constant rate
+    # (the first changes of a phase answer its step).
+    starts, t = [], 0.0
+    for ph in results["phases"]:
+        starts.append((t, t + ph["seconds"], ph["name"], ph["rate_from"] == ph["rate_to"]))
+        t += ph["seconds"]
+
+    def phase_at(at: float | None) -> tuple[float, float, str, bool] | None:
+        return next((x for x in starts if at is not None and x[0] <= at < x[1]), None)
+
+    steady = [e for e in a["reconfigurations"] if (ph := phase_at(e["at_s"])) and ph[3] and e["at_s"] - ph[0] > SETTLE_S]
+    listed = ", ".join(f"{e['at_s']} s {e['from_batch']}->{e['to_batch']}" for e in steady) or "none"
+    out.append(f"changes under steady load (more than {SETTLE_S:g} s into a constant-rate phase): {len(steady)} "
+               f"({listed}; target 0)")
+    for e in a["reconfigurations"]:
+        ph = phase_at(e["at_s"])
+        if e["kind"] != "active-passive" or ph is None or e["p99_ms_5s"] is None:
+            continue
+        ref = [s["phases"][ph[2]]["p99_ms"] for s in statics.values() if s["phases"][ph[2]]["p99_ms"]]
+        if ref:
+            out.append(f"switch at {e['at_s']} s ({e['from_batch']}->{e['to_batch']}, {ph[2]}): p99 in 5 s "
+                       f"{e['p99_ms_5s']:.0f} ms vs 2x the best static's p99 in that phase {2 * min(ref):.0f} ms")
     return out
 
 
@@ -390,13 +415,14 @@ def markdown(results: dict[str, Any]) -> str:
         for s in setups.values()) + " |")
     a = setups.get("adaptive")
     if a and a["reconfigurations"]:
-        lines += ["", "| at (s) | reason | B | kind | decision→ready | →switch | →drained | total | p50 / p99 in 5 s |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", "| at (s) | reason | B | kind | from spares | decision→ready | →switch | →drained | total | "
+                  "p50 / p99 in 5 s |", "|---|---|---|---|---|---|---|---|---|---|"]
         for e in a["reconfigurations"]:
             def s_(k: str) -> str:
                 v = e.get(k)
                 return f"{v:.2f} s" if isinstance(v, (int, float)) else "-"
             lines.append(f"| {e['at_s']} | {e['reason']} | {e['from_batch']}→{e['to_batch']} | {e['kind']} | "
+                         f"{e.get('reused') if e.get('reused') is not None else '-'} | "
                          f"{s_('decision_to_ready_s')} | {s_('ready_to_switch_s')} | {s_('switch_to_drained_s')} | "
                          f"{s_('total_s')} | {e['p50_ms_5s'] or 0:.0f} / {e['p99_ms_5s'] or 0:.0f} ms |")
     lines += [""] + [f"- {t}" for t in targets(results)] + [f"- note: {n}" for n in results.get("trace_notes", [])]

@@ -17,7 +17,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = DispatcherSpec.model_validate_json(argv[0] if argv else sys.stdin.readline())
     logs.configure(spec.settings, f"dispatcher {spec.model}")
     latency = latency_from_profile(spec.profile) if spec.profile else None
-    run_dispatcher(spec.settings, spec.url, spec.model, latency=latency, parent_pid=spec.parent_pid)
+    run_dispatcher(spec.settings, spec.url, spec.model, latency=latency, parent_pid=spec.parent_pid,
+                   profile=spec.profile)
     return 0
 
 

@@ -26,7 +26,9 @@ from dataclasses import dataclass
 import redis
 
 from dispatcher.estimation import Decision, Estimator, EstimatorSettings, Policy
+from optimizer.planning.selection import choose
 from packrat_mq import control
+from packrat_mq.deployment import node_share
 from packrat_mq.settings import Settings
 
 log = logging.getLogger("packrat_mq.dispatcher.adaptive")
@@ -46,6 +48,47 @@ def estimator_settings(settings: Settings) -> EstimatorSettings:
     )
 
 
+class PlannedCapacity:
+    """What a model-wide B can serve (requests/s), by the plan the supervisors would make for it.
+
+    Each node serving the model plans its share of B (in proportion to its
+    thread budget, :func:`packrat_mq.deployment.node_share`) from the
+    dispatcher's profile, as a supervisor plans it; a share's capacity is
+    ``share / L`` with ``L`` the plan's predicted latency. None where no
+    profile or no plan says (the policy then refuses nothing). Cached: the
+    budgets change only with the nodes.
+    """
+
+    def __init__(self, model: str, profile: str | None, graph: bool = False) -> None:
+        self.model, self.profile, self.graph = model, profile, graph
+        self.budgets: dict[str, int] = {}
+        self._cache: dict[tuple[int, tuple[tuple[str, int], ...]], float | None] = {}
+
+    def __call__(self, batch: int) -> float | None:
+        if not self.profile or not self.budgets:
+            return None
+        key = (batch, tuple(sorted(self.budgets.items())))
+        if key not in self._cache:
+            self._cache[key] = self._plan(batch)
+        return self._cache[key]
+
+    def _plan(self, batch: int) -> float | None:
+        total = 0.0
+        for node, threads in self.budgets.items():
+            share = node_share(batch, self.budgets, node)
+            if share <= 0:
+                continue
+            try:
+                latency = choose(self.model, threads, share, self.profile, graph=self.graph).configuration.predicted_latency_ms
+            except Exception as exc:  # noqa: BLE001 - no plan: no capacity known, nothing refused
+                log.debug("no planned capacity for %s at B=%d: %s", self.model, batch, exc)
+                return None
+            if not latency:
+                return None
+            total += share / (latency / 1000.0)
+        return total or None
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """What the dispatcher's record says about the estimate."""
@@ -60,7 +103,8 @@ class Adaptive:
     """Samples the request stream and asks for reconfigurations while the deployment is adaptive."""
 
     def __init__(self, r: redis.Redis, settings: Settings, model: str, *,
-                 clock: Callable[[], float] | None = None, outstanding_s: float = 60.0) -> None:
+                 clock: Callable[[], float] | None = None, outstanding_s: float = 60.0,
+                 capacity: Callable[[int], float | None] | None = None) -> None:
         self.r = r
         self.settings = settings
         self.keys = settings.keys
@@ -71,6 +115,8 @@ class Adaptive:
         self.policy = Policy(self.config)
         self.clock = clock or time.monotonic
         self.outstanding_s = outstanding_s
+        #: What each B can serve (requests/s), for the policy's capacity guard; None: no guard.
+        self.capacity = capacity
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -131,7 +177,7 @@ class Adaptive:
                             self.model, self._requested[0], self.outstanding_s)
                 self._requested = None
             decision = self.policy.decide(now, self.batch, self.estimator.b_tilde, self.estimator.q_tilde,
-                                          self.predicted_ms)
+                                          self.predicted_ms, self.capacity)
             if decision is None:
                 return None
             self._requested = (decision.batch, now)

@@ -47,7 +47,7 @@ from typing import Any
 
 import redis
 
-from dispatcher.adaptive import Adaptive
+from dispatcher.adaptive import Adaptive, PlannedCapacity
 from dispatcher.aggregation import Aggregator
 from dispatcher.orphans import sweep
 from dispatcher.partitioning import LatencyFn, split
@@ -81,6 +81,7 @@ class Dispatcher:
         max_waiting: int = 1,
         latency: LatencyFn | None = None,
         parent_pid: int | None = None,
+        profile: str | None = None,
     ) -> None:
         self.r = r
         # Stop when this supervisor is no longer the parent (it was killed).
@@ -109,7 +110,9 @@ class Dispatcher:
         #: Takes back what the instances of a dead node hold (:mod:`dispatcher.reclaiming`).
         self.reclaimer = Reclaimer(r, self.keys, self.model, self.consumer, settings.node_grace_s)
         #: The estimator: samples the backlog in a thread of its own while running (see :meth:`run`).
-        self.adaptive = Adaptive(r, settings, self.model)
+        #: What each B can serve by the profile's plans: the estimator's guard against a B too small.
+        self.capacity = PlannedCapacity(self.model, profile, settings.graph_mode)
+        self.adaptive = Adaptive(r, settings, self.model, capacity=self.capacity)
         #: What it counts for the metrics while they are on: published in its record at every
         #: heartbeat, exported by its supervisor (or by ``packrat-mq dispatch`` itself, :meth:`metrics_view`).
         self.tally = Tally(DISPATCHER_HISTOGRAMS) if settings.metrics_port else None
@@ -191,6 +194,7 @@ class Dispatcher:
                 d = self.deployment
                 log.info("model %s: serving generation %d, %s (B=%d%s)", self.model, d.generation,
                          d.configuration, d.batch, ", adaptive" if d.adaptive else "")
+                self.capacity.budgets = dict(d.budgets)
                 self.adaptive.serving(d.batch, d.generation, d.adaptive, d.predicted_latency_ms)
                 # Say so at once: the supervisor waits for this to retire the old instances.
                 self.heartbeat(self._state)
@@ -448,7 +452,8 @@ class Dispatcher:
 
 
 def run_dispatcher(
-    settings: Settings, url: str, model: str, *, latency: LatencyFn | None = None, parent_pid: int | None = None
+    settings: Settings, url: str, model: str, *, latency: LatencyFn | None = None, parent_pid: int | None = None,
+    profile: str | None = None,
 ) -> None:
     """Process entry point: run until SIGTERM/SIGINT (or until the supervisor ``parent_pid`` is gone)."""
-    Dispatcher(connect(url), settings, model, latency=latency, parent_pid=parent_pid).serve()
+    Dispatcher(connect(url), settings, model, latency=latency, parent_pid=parent_pid, profile=profile).serve()

@@ -29,6 +29,18 @@ against reconfiguration storms:
   does arrive) and a large queueing delay (requests wait longer than
   ``queue_delay_factor`` × the predicted latency: B is too small).
 
+A third guard, against going down to a B that cannot carry the load: a
+smaller B is only taken when what it can serve (its planned capacity,
+``B / L(B)`` from the profile) exceeds the requests dispatched over the last
+``rate_window_s`` (5 s) by ``capacity_margin`` (20%: at a higher
+utilisation the queueing delay of the smaller B grows fast, and the measured
+rate itself wanders by a few percent). Near saturation the
+stream's length (and the batches cut by the timeout while a large B's
+partial batches are served) says "smaller" in the quiet moments between
+bursts; the smaller B then falls behind, the backlog grows, and B goes back
+up: a limit cycle under a steady load, which the first benchmark showed
+(32 → 16 → 32 five times in 19 s at 95% of B=16's capacity).
+
 Everything here is pure (a clock is passed in), so the rules are tested
 without Redis or processes; :mod:`dispatcher.adaptive` runs them in the
 dispatcher.
@@ -38,6 +50,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, Field
@@ -64,6 +77,10 @@ class EstimatorSettings(BaseModel):
     queue_delay_factor: float = Field(default=2.0, gt=0,
                                       description="Trigger when median queueing delay > factor × predicted latency.")
     min_trigger_batches: int = Field(default=5, ge=1, description="Batches a trigger needs in its period.")
+    capacity_margin: float = Field(default=0.2, ge=0, lt=1,
+                                   description="A smaller B is taken only if its capacity exceeds the recent "
+                                               "dispatch rate by this fraction.")
+    rate_window_s: float = Field(default=5.0, gt=0, description="Window of the dispatch rate the guard reads.")
 
 
 def floor_pow2(x: float) -> int:
@@ -141,6 +158,9 @@ class Policy:
     last_change_at: float | None = None
     last_change: tuple[int, int] | None = None
     _batches: deque[_Batch] = field(default_factory=deque)
+    #: (time, size) of the batches of the last ``rate_window_s``, kept across changes: the load's rate.
+    _flow: deque[tuple[float, int]] = field(default_factory=deque)
+    _flow_since: float | None = None
 
     def __post_init__(self) -> None:
         self.timeout_s = self.settings.reconfigure_timeout_s
@@ -149,12 +169,18 @@ class Policy:
     def record_batch(self, now: float, size: int, timed_out: bool, queue_ms: float) -> None:
         """One dispatched batch: its size, whether the timeout cut it short, its oldest request's wait."""
         self._batches.append(_Batch(now, size, timed_out, queue_ms))
+        self._flow.append((now, size))
+        if self._flow_since is None:
+            self._flow_since = now
         self._forget(now)
 
     def _forget(self, now: float) -> None:
         horizon = now - self.settings.trigger_period_s
         while self._batches and self._batches[0].at < horizon:
             self._batches.popleft()
+        horizon = now - self.settings.rate_window_s
+        while self._flow and self._flow[0][0] < horizon:
+            self._flow.popleft()
 
     def changed(self, now: float, old: int, new: int) -> None:
         """A reconfiguration from ``old`` to ``new`` took effect (whoever asked for it)."""
@@ -169,11 +195,37 @@ class Policy:
         self._batches.clear()
 
     # --- deciding --------------------------------------------------------
+    def rate(self, now: float) -> float | None:
+        """Requests dispatched per second over the last ``rate_window_s`` (None before one trigger period of it)."""
+        self._forget(now)
+        s = self.settings
+        if self._flow_since is None or now - self._flow_since < s.trigger_period_s:
+            return None
+        return sum(size for _, size in self._flow) / min(s.rate_window_s, now - self._flow_since)
+
+    def short_of_capacity(self, now: float, batch: int, capacity: Callable[[int], float | None] | None) -> bool:
+        """Whether ``batch`` could not serve the recent dispatch rate with the margin to spare."""
+        if capacity is None:
+            return False
+        cap = capacity(batch)
+        if cap is None:
+            return False
+        rate = self.rate(now)
+        # Not yet a period of batches seen (a dispatcher just started): no smaller B blind.
+        return rate is None or rate > (1 - self.settings.capacity_margin) * cap
+
     def decide(self, now: float, current: int, b_tilde: int | None, q_tilde: float | None = None,
-               predicted_ms: float | None = None) -> Decision | None:
-        """The change to ask for now, if any."""
+               predicted_ms: float | None = None,
+               capacity: Callable[[int], float | None] | None = None) -> Decision | None:
+        """The change to ask for now, if any.
+
+        ``capacity(B)`` is what B can serve (requests/s, from the profile's
+        plan), or None where unknown; without it no smaller B is refused.
+        """
         s = self.settings
         self._forget(now)
+        if self._flow_since is None:
+            self._flow_since = now  # the rate is measured from the first look on
         if b_tilde is None:
             return None
         if b_tilde == current:
@@ -189,6 +241,8 @@ class Policy:
         # Nothing sooner than one timeout after the last change, whatever the reason.
         if self.last_change_at is not None and now - self.last_change_at < self.timeout_s:
             return None
+        if b_tilde < current and self.short_of_capacity(now, b_tilde, capacity):
+            return None  # the load would outgrow it at once: stay
         if self.disagree_since is not None and now - self.disagree_since >= self.timeout_s:
             return Decision(b_tilde, "estimate", current, q_tilde)
         return self._triggered(current, b_tilde, q_tilde, predicted_ms)

@@ -74,10 +74,11 @@ class Settings(BaseSettings):
         description="Loaded instances a supervisor keeps beyond the ones it serves with, so that a "
                     "reconfiguration re-threads them in place instead of starting processes. Unset: for an "
                     "adaptive deployment, the most instances any plan of its batch range needs; 0 otherwise.")
-    prewarm_spares: bool = Field(
-        default=False,
+    prewarm_spares: bool | None = Field(
+        default=None,
         description="Start the spare instances right after start-up (one at a time), so that even the first "
-                    "reconfiguration is made from loaded instances; costs their memory from the start.")
+                    "reconfiguration is made from loaded instances; costs their memory from the start. "
+                    "Unset: on for an adaptive deployment.")
     spare_min_free_fraction: float = Field(
         default=0.1, ge=0, lt=1,
         description="A spare is kept or started only while the machine's available memory stays above this "

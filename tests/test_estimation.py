@@ -182,3 +182,81 @@ def test_nothing_within_a_timeout_of_the_last_change() -> None:
     assert policy.decide(10.9, 8, 1) is None
     d = policy.decide(11.6, 8, 1)
     assert d is not None and d.batch == 1
+
+
+# --- the capacity guard ----------------------------------------------------------
+CAPACITY = {1: 50.0, 2: 80.0, 4: 114.0, 8: 145.0, 16: 168.0, 32: 184.0}  # the 16-core model's, req/s
+
+
+def dispatch_at(policy: Policy, t0: float, seconds: float, rate: float, size: int, timed_out: bool) -> float:
+    """Batches of ``size`` at ``rate`` requests/s for ``seconds``; returns the time at the end."""
+    t, every = t0, size / rate
+    while t < t0 + seconds:
+        t += every
+        policy.record_batch(t, size, timed_out, 5.0)
+    return t
+
+
+def test_a_smaller_batch_that_cannot_carry_the_load_is_refused() -> None:
+    """At 165 req/s B=32's partial batches are cut by the timeout and B̃ says 16, but B=16 serves 168/s."""
+    policy = Policy()
+    policy.changed(0.0, 16, 32)
+    t = dispatch_at(policy, 5.0, 2.0, 165.0, 8, True)
+    assert policy.rate(t) == pytest.approx(165.0, rel=0.05)
+    assert policy.decide(t, 32, 16, capacity=CAPACITY.get) is None  # neither the trigger nor, later, the dwell
+    t = dispatch_at(policy, t, 1.5, 165.0, 8, True)
+    assert policy.decide(t, 32, 16, capacity=CAPACITY.get) is None
+    # When the load falls, B goes down (once the 5 s rate has).
+    t = dispatch_at(policy, t, 6.0, 60.0, 4, True)
+    d = policy.decide(t, 32, 16, capacity=CAPACITY.get)
+    assert d is not None and d.batch == 16
+    # Without the capacity known the timeouts trigger moves at once.
+    d = Policy(); d.changed(0.0, 16, 32)
+    t2 = dispatch_at(d, 5.0, 2.0, 165.0, 8, True)
+    assert d.decide(t2, 32, 16).reason == "timeouts"  # type: ignore[union-attr]
+
+
+def test_a_smaller_batch_with_room_to_spare_is_taken() -> None:
+    policy = Policy()
+    policy.changed(0.0, 16, 32)
+    t = dispatch_at(policy, 5.0, 2.0, 120.0, 8, True)  # B=16 serves 168/s: 120 leaves 29% spare (> 20%)
+    d = policy.decide(t, 32, 16, capacity=CAPACITY.get)
+    assert d is not None and d.batch == 16
+    # An unknown capacity refuses nothing.
+    p2 = Policy(); p2.changed(0.0, 16, 32)
+    t2 = dispatch_at(p2, 5.0, 2.0, 165.0, 8, True)
+    assert p2.decide(t2, 32, 16, capacity=lambda b: None) is not None
+
+
+def test_the_guard_keeps_a_steady_near_saturation_load_on_one_batch() -> None:
+    """Q̃ wandering between 12 and 40 at a steady 160 req/s (what B=32's partial batches look like)."""
+    rng = random.Random(3)
+    clock, est, policy = Clock(), Estimator(), Policy()
+    current, changes, waiting = 32, [], 0
+    for k in range(12_000):  # 60 s of Poisson arrivals, a partial batch cut every 50 ms
+        clock.t += 0.005
+        waiting += sum(rng.random() < 0.16 for _ in range(5))  # 0.8 per 5 ms: 160/s
+        if k % 10 == 9 and waiting:
+            policy.record_batch(clock.t, waiting, True, 5.0)
+            waiting = 0
+        est.observe(rng.uniform(12, 40), current)
+        d = policy.decide(clock.t, current, est.b_tilde, est.q_tilde, capacity=CAPACITY.get)
+        if d is not None:
+            changes.append(d)
+            policy.changed(clock.t, current, d.batch)
+            current = d.batch
+    assert changes == [] and current == 32
+
+
+def test_an_idle_deployment_started_large_still_comes_down() -> None:
+    """No batch at all: the rate is 0 once a period has been watched, so B=32 goes down to 1."""
+    clock, est, policy = Clock(), Estimator(), Policy()
+    current = 32
+    for _ in range(1000):
+        clock.t += 0.005
+        est.observe(0, current)
+        d = policy.decide(clock.t, current, est.b_tilde, est.q_tilde, capacity=CAPACITY.get)
+        if d is not None:
+            policy.changed(clock.t, current, d.batch)
+            current = d.batch
+    assert current == 1

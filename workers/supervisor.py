@@ -561,7 +561,10 @@ class Supervisor:
 
     def _prewarm(self) -> None:
         """Start one more spare if asked to pre-start them, none is starting and there is room; never blocks."""
-        if not self.settings.prewarm_spares or self.change is not None or len(self.spares) >= self.spare_cap():
+        prewarm = self.settings.prewarm_spares
+        if prewarm is None:
+            prewarm = self.adaptive
+        if not prewarm or self.change is not None or len(self.spares) >= self.spare_cap():
             return
         if any(not self._is_spare(i) for i in self.spares) or not self._room_for_spare():
             return  # one at a time: a start takes CPU from the instances serving

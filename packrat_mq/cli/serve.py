@@ -211,8 +211,8 @@ def serving_options(func: Callable[..., Any]) -> Callable[..., Any]:
                        "instead of starting processes (default: the largest plan's instance count when B is "
                        "adaptive, else 0); env PACKRAT_SPARE_INSTANCES.")
     @click.option("--prewarm/--no-prewarm", default=None,
-                  help="Start the spares right after start-up, so the first change is fast too "
-                       "(default off: spares are the instances a change retired); env PACKRAT_PREWARM_SPARES.")
+                  help="Start the spares right after start-up, one at a time, so the first change is fast too "
+                       "(default: on when B is adaptive); env PACKRAT_PREWARM_SPARES.")
     @functools.wraps(func)
     def wrapper(*args: Any, model: str, instances: str | None, threads: int | None, batch: int | None,
                 adaptive: bool, profile: str | None, graph: bool, option_pairs: tuple[str, ...],
@@ -319,7 +319,7 @@ def up(settings: Settings, plan: ServePlan, batch_timeout_ms: float | None) -> N
       packrat-mq up --model resnet50                               # adaptive: B follows the load from 1
       packrat-mq up --model resnet50 --threads 16 --batch 32      # optimizer picks, B pinned
       packrat-mq up --model resnet50 --batch 8 --adaptive         # adaptive, starting at B=8
-      packrat-mq up --model resnet50 --prewarm                     # adaptive, spares loaded from the start
+      packrat-mq up --model resnet50 --no-prewarm                  # adaptive, spares only once a change retires some
       packrat-mq up --model minilm -i 2*1x4 --redis-url redis://localhost:6379/0
       packrat-mq up --model profiled -o profile=profiles/sim/resnet50-16core.json -o time_scale=0.1 \\
                     --simulate-cores 64                            # 64 simulated cores, adaptive B
@@ -362,7 +362,7 @@ def pool(settings: Settings, plan: ServePlan) -> None:
 @click.option("--model", "-m", required=True, help="Model whose request stream to dispatch.")
 @click.option("--batch-timeout-ms", type=click.FloatRange(min=0), default=None,
               help="Send a partial batch this long after its first request.")
-@click.option("--profile", default=None, help="Profile JSON to split partial batches by measured latency.")
+@click.option("--profile", default=None, help="Profile JSON to split partial batches by measured latency (and to know what each B can serve, for the estimator).")
 @redis_options
 def dispatch(settings: Settings, model: str, batch_timeout_ms: float | None, profile: str | None) -> None:
     """Run only the dispatcher of MODEL (for docker-compose; needs a Redis URL).
@@ -383,6 +383,6 @@ def dispatch(settings: Settings, model: str, batch_timeout_ms: float | None, pro
     if batch_timeout_ms is not None:
         settings = settings.model_copy(update={"batch_timeout_ms": batch_timeout_ms})
     _, url = connect_or_fail(settings)
-    d = Dispatcher(connect(url), settings, model, latency=latency)
+    d = Dispatcher(connect(url), settings, model, latency=latency, profile=profile)
     with metrics_endpoint(settings, lambda: [d.metrics_view()]):
         d.serve()
