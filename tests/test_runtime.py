@@ -98,3 +98,24 @@ def test_resize_retargets_a_loaded_handler_without_reloading() -> None:
     runtime.resize(handler, eager, 8, graph_mode=False)
     assert handler.context is not None and handler.context.batch_size == 8
     assert handler.model is eager
+
+
+@pytest.mark.slow
+def test_rebind_repins_rethreads_and_retraces_a_loaded_instance() -> None:
+    """A spare moved in place: new cpus, torch's intra-op pool resized, a graph traced again at the new B."""
+    pytest.importorskip("torch")
+    cpus = sorted(os.sched_getaffinity(0))
+    code = (
+        "import os, json, torch; from workers import runtime; from workers.launch import read_spec; "
+        "spec = runtime.RuntimeSpec.model_validate_json(read_spec([])); h = runtime.start(spec); "
+        "before = (torch.get_num_threads(), h.context.batch_size, id(h.model)); "
+        f"new = spec.model_copy(update={{'threads': {len(cpus)}, 'batch': 3, 'cpus': {cpus!r}}}); "
+        "runtime.rebind(h, new); "
+        "out = h.handle(h.example_batch(3)); "
+        "print(json.dumps([before[:2], torch.get_num_threads(), sorted(os.sched_getaffinity(0)), "
+        "h.context.batch_size, h.context.threads, id(h.model) != before[2], len(out)]))"
+    )
+    spec = RuntimeSpec(model="tiny", handler="tests.supervisor_handlers:TinyTorch", instance_id="t0", threads=1,
+                       batch=2, cpus=[cpus[0]], graph_mode=True)
+    got = json.loads(_run_child(code, spec.model_dump()))
+    assert got == [[1, 2], len(cpus), cpus, 3, len(cpus), True, 3]
