@@ -260,3 +260,20 @@ def test_an_idle_deployment_started_large_still_comes_down() -> None:
             policy.changed(clock.t, current, d.batch)
             current = d.batch
     assert current == 1
+
+
+def test_planned_capacity_follows_the_optimizers_plan_per_node(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from dispatcher.adaptive import PlannedCapacity
+    from optimizer.planning.profile import Profile, ProfileEntry
+
+    points = {(1, 1): 10.0, (1, 2): 18.0, (1, 4): 34.0, (1, 8): 66.0,
+              (8, 1): 5.0, (8, 2): 6.0, (8, 4): 8.0, (8, 8): 14.0}
+    path = Profile(model="tiny", entries=tuple(ProfileEntry(threads=t, batch=b, mean_ms=ms)
+                                               for (t, b), ms in points.items())).save(tmp_path / "p.json")
+    cap = PlannedCapacity("tiny", str(path))
+    assert cap(8) is None  # no deployment seen yet: no budgets, nothing known
+    cap.budgets = {"n1": 16}
+    assert cap(8) == pytest.approx(8 / 0.008)  # two instances of 8 threads taking 4 each in 8 ms
+    cap.budgets = {"n1": 8, "n2": 8}  # two nodes of 8 threads: 4 each, one 8-thread instance each
+    assert cap(8) == pytest.approx(2 * 4 / 0.008)
+    assert PlannedCapacity("tiny", None)(8) is None
