@@ -19,7 +19,8 @@ against reconfiguration storms:
 - **Vote**: ``B̃`` is the mode of the last ``window`` (10) values of ``B̂``
   (ties go to the most recent).
 - **Decide** (:class:`Policy`): when ``B̃ ≠ B`` has held for the whole
-  reconfiguration timeout (1 s), change to ``B̃``. Guard 2, damping: a change
+  reconfiguration timeout (1 s; 0.25 s for a larger B: up is quick, down is
+  slow), change to ``B̃``. Guard 2, damping: a change
   that undoes the previous one within ``flap_window_s`` doubles the timeout
   (up to ``max_timeout_s``); only ``max_timeout_s`` of the estimate agreeing
   with B throughout restores it (a load alternating faster than the damped
@@ -68,6 +69,9 @@ class EstimatorSettings(BaseModel):
                               description="Below B, B̂ stays B until Q̃ < (1 - hysteresis)·B.")
     reconfigure_timeout_s: float = Field(default=1.0, gt=0,
                                          description="B̃ must differ from B this long before a change.")
+    up_timeout_s: float = Field(default=0.25, gt=0,
+                                description="The dwell of a change to a larger B (and the gap after a change up "
+                                            "before another one up): load that arrives is served at once.")
     max_timeout_s: float = Field(default=30.0, gt=0, description="Cap of the damped timeout.")
     flap_window_s: float = Field(default=30.0, ge=0,
                                  description="A change undoing the previous one within this doubles the timeout.")
@@ -238,12 +242,19 @@ class Policy:
             self.agree_since = None
             if self.disagree_since is None:
                 self.disagree_since = now
-        # Nothing sooner than one timeout after the last change, whatever the reason.
-        if self.last_change_at is not None and now - self.last_change_at < self.timeout_s:
+        # Up is quick, down is slow (as autoscalers do): a backlog building at a B too small costs
+        # every request behind it, one a B too large serves costs a batch wait. An up move waits
+        # ``up_timeout_s``, and may follow an earlier up move as soon; anything else waits one
+        # (damped) timeout after the last change, so a reversal never comes quick.
+        up = b_tilde > current
+        climbing = up and self.last_change is not None and self.last_change[1] > self.last_change[0]
+        dwell = min(self.timeout_s, s.up_timeout_s) if up else self.timeout_s
+        gap = dwell if climbing else self.timeout_s
+        if self.last_change_at is not None and now - self.last_change_at < gap:
             return None
-        if b_tilde < current and self.short_of_capacity(now, b_tilde, capacity):
+        if not up and self.short_of_capacity(now, b_tilde, capacity):
             return None  # the load would outgrow it at once: stay
-        if self.disagree_since is not None and now - self.disagree_since >= self.timeout_s:
+        if self.disagree_since is not None and now - self.disagree_since >= dwell:
             return Decision(b_tilde, "estimate", current, q_tilde)
         return self._triggered(current, b_tilde, q_tilde, predicted_ms)
 

@@ -64,6 +64,9 @@ class Settings(BaseSettings):
     reconfigure_timeout_s: float = Field(
         default=1.0, gt=0, description="The estimate must differ from B this long before a reconfiguration."
     )
+    reconfigure_up_timeout_s: float = Field(
+        default=0.25, gt=0, description="The same for a larger B (and between two moves up): up quick, down slow."
+    )
     adaptive_min_batch: int = Field(default=1, ge=1, description="Smallest B the estimator asks for.")
     adaptive_max_batch: int = Field(default=32, ge=1, description="Largest B the estimator asks for.")
     trigger_period_s: float = Field(

@@ -93,8 +93,8 @@ def test_a_step_up_is_followed_once_after_the_timeout() -> None:
     current, changes = drive(policy, est, clock, [1.0] * 400 + [16.0] * 1000, current=1)
     assert [(old, new) for _, old, new, _ in changes] == [(1, 16)]
     t_step = 1000.0 + 400 * 0.005
-    # Q̃ crosses 16... within a few samples; the change comes one timeout (1 s) later, not sooner.
-    assert 1.0 <= changes[0][0] - t_step <= 1.5
+    # Q̃ crosses 16 within a few samples; the change comes one up-timeout (0.25 s) later, not sooner.
+    assert 0.25 <= changes[0][0] - t_step <= 0.5
     assert changes[0][3] == "estimate"
 
 
@@ -277,3 +277,16 @@ def test_planned_capacity_follows_the_optimizers_plan_per_node(tmp_path) -> None
     cap.budgets = {"n1": 8, "n2": 8}  # two nodes of 8 threads: 4 each, one 8-thread instance each
     assert cap(8) == pytest.approx(2 * 4 / 0.008)
     assert PlannedCapacity("tiny", None)(8) is None
+
+
+def test_up_is_quick_and_down_is_slow() -> None:
+    """A backlog growing by 115 requests/s from idle: B climbs within a second; a reversal waits a timeout."""
+    clock, est, policy = Clock(), Estimator(), Policy()
+    lengths = [0.0] * 400 + [min(200.0, 0.575 * k) for k in range(400)]  # 2 s of a growing backlog
+    current, changes = drive(policy, est, clock, lengths, current=1)
+    t_step = 1000.0 + 400 * 0.005
+    assert current == 32 and changes[0][0] - t_step <= 0.5
+    assert changes[-1][0] - t_step <= 1.5  # every step up was quick
+    # The load vanishes: down only after the whole (1 s) timeout.
+    _, down = drive(policy, est, clock, [0.0] * 600, current=current)
+    assert down and down[0][0] - (t_step + 2.0) >= 1.0
