@@ -381,3 +381,14 @@ def test_a_spare_killed_while_rebinding_comes_back_bound(
     rec = r.hgetall(settings.keys.instance("sleep", spare.record.id))
     assert rec[b"state"] == b"ready" and rec[b"threads"] == b"1"
     assert_exactly_once(load, r, settings)
+
+
+def test_cgroup_memory_limit_is_read_where_there_is_one(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from workers.supervisor import _cgroup_memory
+
+    assert _cgroup_memory(str(tmp_path)) is None  # no cgroup files
+    (tmp_path / "memory.max").write_text("max\n")
+    assert _cgroup_memory(str(tmp_path)) is None  # no limit
+    (tmp_path / "memory.max").write_text("1073741824\n")
+    (tmp_path / "memory.current").write_text("536870912\n")
+    assert _cgroup_memory(str(tmp_path)) == (1 << 30, 1 << 29)

@@ -61,6 +61,17 @@ def restart_policy() -> Backoff:
     return Backoff(base=1.0, factor=2.0, cap=30.0, healthy_s=30.0, first_immediate=True)
 
 
+def _cgroup_memory(root: str = "/sys/fs/cgroup") -> tuple[int, int] | None:
+    """(limit, usage) in bytes of this process's cgroup v2, or None without a limit."""
+    try:
+        raw = Path(root, "memory.max").read_text().strip()
+        if raw == "max":
+            return None
+        return int(raw), int(Path(root, "memory.current").read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
 @dataclass
 class Child:
     """One supervised process (a worker instance or the dispatcher) and when to start it again."""
@@ -504,9 +515,17 @@ class Supervisor:
         return largest
 
     def _room_for_spare(self) -> bool:
-        """Whether the machine has memory to spare (above ``spare_min_free_fraction`` available)."""
+        """Whether there is memory to spare: above ``spare_min_free_fraction`` available.
+
+        Of the machine, and of this process's cgroup where it has a limit (a
+        container sees the host's memory in ``/proc/meminfo``, not its own).
+        """
         vm = psutil.virtual_memory()
-        return vm.available > self.settings.spare_min_free_fraction * vm.total
+        total, available = vm.total, vm.available
+        limit = _cgroup_memory()
+        if limit is not None:
+            total, available = min(total, limit[0]), min(available, limit[0] - limit[1])
+        return available > self.settings.spare_min_free_fraction * total
 
     def _take_spare(self, a: CoreAssignment) -> Instance | None:
         """A spare for ``a``: a live one already on its cpus and threads if any, else any live one."""
