@@ -525,9 +525,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{setup}] sent {s['sent']}, received {s['received']}, lost {s['lost']}, duplicated "
                   f"{s['duplicated']}, mean {s['mean_ms']:.1f} ms, reconfigurations {len(s['reconfigurations'])}",
                   flush=True)
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"adaptive-{name}.json"
-    out.write_text(json.dumps(results, indent=1))
+            # After every setup: a long run cut short keeps what it measured.
+            RESULTS.mkdir(exist_ok=True)
+            out = RESULTS / f"adaptive-{name}.json"
+            out.write_text(json.dumps(results, indent=1))
     plot(results, RESULTS / f"adaptive-{name}.png")
     print(markdown(results))
     print(f"wrote {out}")
