@@ -13,10 +13,16 @@ import logging
 from collections.abc import Callable
 
 import redis
+from redis.exceptions import ClusterDownError, SlotNotCoveredError, TryAgainError
 
 from packrat_mq.backoff import Backoff
 from packrat_mq.records import LiveRecord
 from packrat_mq.streams import ensure_group, is_nogroup
+
+
+#: Redis (or, on Redis Cluster, the master of a slot: failing over, or a slot not covered
+#: meanwhile) cannot be reached for now: waited out, not counted as a loop error.
+UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, TryAgainError, SlotNotCoveredError)
 
 
 def recover(
@@ -44,7 +50,7 @@ def recover(
         except redis.RedisError as again:
             exc = again
     delay = backoff.failure()
-    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+    if isinstance(exc, UNREACHABLE):
         log.warning("%s: redis unreachable (%s); retrying in %.2f s", who, exc, delay)
     else:
         log.error("%s: loop iteration failed; retrying in %.2f s", who, delay, exc_info=exc)
