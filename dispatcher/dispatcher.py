@@ -299,10 +299,10 @@ class Dispatcher:
                 log.warning("supervisor (pid %d) is gone; dispatcher for %s stops", self.parent_pid, self.model)
                 break
             try:
-                self.heartbeat()
+                self._housekeep(self.heartbeat, "heartbeat")
                 if time.monotonic() >= next_sweep:
                     next_sweep = time.monotonic() + self.sweep_interval_s
-                    sweep(self.r, self.settings, own=self.model)
+                    self._housekeep(lambda: sweep(self.r, self.settings, own=self.model), "orphan sweep")
                     if self.reclaimer.check(self.deployment):
                         # Claimed back to this consumer: read again first, like its own pending entries.
                         self._recovering = True
@@ -311,6 +311,25 @@ class Dispatcher:
                 self.backoff.success()
             except Exception as exc:  # noqa: BLE001 - one failed iteration never ends the dispatcher
                 self._recover(exc)
+
+    def _housekeep(self, step: Any, what: str) -> None:
+        """Run the heartbeat or the orphan sweep; on Redis Cluster a failure of it does not stop the batches.
+
+        Both write keys of no one model (the models index, the sweep's lock)
+        and the sweep scans every master: on a cluster those may be on a
+        master that is failing over while this model's master is fine, so
+        the failure is logged and the step tried again at its next time. On
+        one Redis a failure here is Redis's, and fails the iteration as before.
+        """
+        if not self.keys.cluster:
+            step()
+            return
+        try:
+            step()
+        except Exception as exc:  # noqa: BLE001 - housekeeping; the batch path reports its own failures
+            if step == self.heartbeat:
+                self._last_beat = time.time()  # next try in one interval, not at every batch
+            log.warning("dispatcher for %s: %s failed (%s); serving on", self.model, what, exc)
 
     def _recover(self, exc: Exception) -> None:
         """After a failed iteration: see :func:`packrat_mq.recovery.recover`; then re-read pending entries."""

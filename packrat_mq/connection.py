@@ -278,6 +278,9 @@ def connect(url: str, **kwargs: Any) -> redis.Redis:
     retry = kwargs.pop("retry", None) or Retry(NoBackoff(), 0)
     if is_cluster_url(url):
         first, nodes = _cluster_nodes(url)
+        # Slots may be uncovered for a moment while a master fails over: reading the
+        # slot map then must not fail every command, only those of the missing slots.
+        kwargs.setdefault("require_full_coverage", False)
         return RedisCluster(url=first, startup_nodes=[ClusterNode(h, p) for h, p in nodes[1:]],  # type: ignore[return-value]
                             retry=retry, **kwargs)
     return redis.Redis.from_url(url, retry=retry, **kwargs)
