@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 import redis
@@ -29,7 +30,8 @@ from packrat_mq.settings import Settings
 from packrat_mq.streams import ensure_group
 from packrat_mq.zoo.testing import EchoHandler
 from tests import helpers
-from tests.cli_run import Started, assert_one_line_failure, run_cli
+from tests.cli_run import PASSWORD, Started, assert_one_line_failure, free_port, run_cli
+from tests.cli_run import password_server  # noqa: F401 - a fixture of these tests
 from tests.helpers import hand_out
 from tests.redis_cluster import LocalCluster
 from workers.worker import Worker, WorkerSpec
@@ -117,6 +119,14 @@ def test_a_cluster_url_gives_a_cluster_client_and_a_node_url_is_refused(cluster:
     assert_one_line_failure(refused, says="redis+cluster://")
     with pytest.raises(ValueError, match="cluster client"):
         check_cluster(redis.Redis(), Settings(redis_url=cluster.url))
+
+
+def test_a_cluster_url_without_a_cluster_fails_in_one_line(password_server: Any) -> None:
+    nobody = run_cli("status", "--redis-url", f"redis+cluster://127.0.0.1:{free_port()}")
+    assert_one_line_failure(nobody, says="cannot use Redis Cluster at redis+cluster://127.0.0.1:")
+    plain = password_server.url(":" + quote(PASSWORD, safe="")).replace("redis://", "redis+cluster://")
+    not_a_cluster = run_cli("status", "--redis-url", plain.removesuffix("/0"))
+    assert_one_line_failure(not_a_cluster, PASSWORD, says="is not a cluster")
 
 
 def test_each_model_lives_on_its_own_master_and_every_request_is_answered_once(
