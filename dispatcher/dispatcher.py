@@ -55,7 +55,7 @@ from dispatcher.reading import Entry, RequestReader
 from dispatcher.reclaiming import Reclaimer
 from packrat_mq import protocol, replies, streams
 from packrat_mq.backoff import Backoff
-from packrat_mq.connection import connect
+from packrat_mq.connection import check_cluster, connect
 from packrat_mq.deployment import Deployment, InstanceRecord
 from packrat_mq.exposition import ModelView, read_stream
 from packrat_mq.keys import DISPATCHER_GROUP, check_model_name, request_owner
@@ -86,6 +86,7 @@ class Dispatcher:
         self.r = r
         # Stop when this supervisor is no longer the parent (it was killed).
         self.parent_pid = parent_pid
+        check_cluster(r, settings)
         self.settings = settings
         self.keys = settings.keys
         self.model = check_model_name(model)
@@ -302,10 +303,10 @@ class Dispatcher:
                 log.warning("supervisor (pid %d) is gone; dispatcher for %s stops", self.parent_pid, self.model)
                 break
             try:
-                self.heartbeat()
+                self._housekeep(self.heartbeat, "heartbeat")
                 if time.monotonic() >= next_sweep:
                     next_sweep = time.monotonic() + self.sweep_interval_s
-                    sweep(self.r, self.settings, own=self.model)
+                    self._housekeep(lambda: sweep(self.r, self.settings, own=self.model), "orphan sweep")
                     if self.reclaimer.check(self.deployment):
                         # Claimed back to this consumer: read again first, like its own pending entries.
                         self._recovering = True
@@ -314,6 +315,25 @@ class Dispatcher:
                 self.backoff.success()
             except Exception as exc:  # noqa: BLE001 - one failed iteration never ends the dispatcher
                 self._recover(exc)
+
+    def _housekeep(self, step: Any, what: str) -> None:
+        """Run the heartbeat or the orphan sweep; on Redis Cluster a failure of it does not stop the batches.
+
+        Both write keys of no one model (the models index, the sweep's lock)
+        and the sweep scans every master: on a cluster those may be on a
+        master that is failing over while this model's master is fine, so
+        the failure is logged and the step tried again at its next time. On
+        one Redis a failure here is Redis's, and fails the iteration as before.
+        """
+        if not self.keys.cluster:
+            step()
+            return
+        try:
+            step()
+        except Exception as exc:  # noqa: BLE001 - housekeeping; the batch path reports its own failures
+            if step == self.heartbeat:
+                self._last_beat = time.time()  # next try in one interval, not at every batch
+            log.warning("dispatcher for %s: %s failed (%s); serving on", self.model, what, exc)
 
     def _recover(self, exc: Exception) -> None:
         """After a failed iteration: see :func:`packrat_mq.recovery.recover`; then re-read pending entries."""
@@ -353,20 +373,20 @@ class Dispatcher:
                 unanswerable += 1
                 continue
             pairs.append((reply_to, protocol.error_reply(protocol.entry_request_id(fields), message, model=self.model)))
-        pipe = self.r.pipeline(transaction=True)
-        stats_key = self.keys.stats(self.model)
-        grouped = replies.queue(pipe, pairs, ttl_s=self.settings.reply_ttl_s, stats_key=stats_key)
-        pipe.xdel(self.stream, *(sid for sid, _ in entries))
-        pipe.hincrby(stats_key, "requests", len(entries))
-        pipe.hincrby(stats_key, "overloaded", len(entries))
-        if unanswerable:
-            pipe.hincrby(stats_key, "unanswerable", unanswerable)
-        results = replies.execute(pipe, f"model {self.model}")
+        with self.r.pipeline(transaction=True) as pipe:
+            stats_key = self.keys.stats(self.model)
+            delivery = replies.queue(self.r, pipe, pairs, ttl_s=self.settings.reply_ttl_s, stats_key=stats_key)
+            pipe.xdel(self.stream, *(sid for sid, _ in entries))
+            pipe.hincrby(stats_key, "requests", len(entries))
+            pipe.hincrby(stats_key, "overloaded", len(entries))
+            if unanswerable:
+                pipe.hincrby(stats_key, "unanswerable", unanswerable)
+            replies.execute(pipe, f"model {self.model}", delivery)
         if self.tally is not None:
             self.tally.count("requests", n=len(entries))
             if unanswerable:
                 self.tally.count("errors", "unanswerable", n=unanswerable)
-            count_replies(self.tally, grouped, results)
+            count_replies(self.tally, delivery.grouped, delivery.results)
         log.warning("model %s: backlog over %d; %d newest requests refused as overloaded",
                     self.model, self.settings.max_backlog, len(entries))
         return len(entries)
@@ -399,7 +419,6 @@ class Dispatcher:
         self._batch_seq += 1
         batch_id = f"{os.getpid()}-{self._batch_seq}"
 
-        pipe = self.r.pipeline(transaction=True)
         stats_key = self.keys.stats(self.model)
         pairs = []
         unanswerable = 0
@@ -409,34 +428,35 @@ class Dispatcher:
                 log.warning("model %s: dropped request %r that cannot be answered: %s", self.model, exc.request_id, exc)
                 continue
             pairs.append((exc.reply_to, protocol.error_reply(exc.request_id, str(exc), model=self.model)))
-        grouped = replies.queue(pipe, pairs, ttl_s=self.settings.reply_ttl_s, stats_key=stats_key)
-        start = 0
-        for inst, n in zip(instances, counts):
-            if n == 0:
-                continue
-            sub = accepted[start : start + n]
-            start += n
-            pipe.xadd(self.keys.queue(self.model, inst.id), protocol.encode_subbatch(sub, batch_id))
-            # The requests stay in the stream, pending, now owned by the instance:
-            # it fetches their payloads and acknowledges and deletes them with its replies.
-            pipe.xclaim(self.stream, DISPATCHER_GROUP, request_owner(inst.id), 0,
-                        [r.stream_id for r in sub], justid=True)
-        if done:
-            pipe.xack(self.stream, DISPATCHER_GROUP, *done)
-            pipe.xdel(self.stream, *done)
-        pipe.hincrby(stats_key, "requests", len(accepted) + len(rejected))
-        pipe.hincrby(stats_key, "batches", 1)
-        DispatcherState.count(pipe, self.keys.dispatcher(self.model), "batches", renew=False)
-        if rejected:
-            pipe.hincrby(stats_key, "rejected", len(rejected))
-        if unanswerable:
-            pipe.hincrby(stats_key, "unanswerable", unanswerable)
-        results = replies.execute(pipe, f"model {self.model}")
+        with self.r.pipeline(transaction=True) as pipe:
+            delivery = replies.queue(self.r, pipe, pairs, ttl_s=self.settings.reply_ttl_s, stats_key=stats_key)
+            start = 0
+            for inst, n in zip(instances, counts):
+                if n == 0:
+                    continue
+                sub = accepted[start : start + n]
+                start += n
+                pipe.xadd(self.keys.queue(self.model, inst.id), protocol.encode_subbatch(sub, batch_id))
+                # The requests stay in the stream, pending, now owned by the instance:
+                # it fetches their payloads and acknowledges and deletes them with its replies.
+                pipe.xclaim(self.stream, DISPATCHER_GROUP, request_owner(inst.id), 0,
+                            [r.stream_id for r in sub], justid=True)
+            if done:
+                pipe.xack(self.stream, DISPATCHER_GROUP, *done)
+                pipe.xdel(self.stream, *done)
+            pipe.hincrby(stats_key, "requests", len(accepted) + len(rejected))
+            pipe.hincrby(stats_key, "batches", 1)
+            DispatcherState.count(pipe, self.keys.dispatcher(self.model), "batches", renew=False)
+            if rejected:
+                pipe.hincrby(stats_key, "rejected", len(rejected))
+            if unanswerable:
+                pipe.hincrby(stats_key, "unanswerable", unanswerable)
+            replies.execute(pipe, f"model {self.model}", delivery)
         if self.tally is not None:
             self.tally.count("requests", n=len(accepted) + len(rejected))
             if unanswerable:
                 self.tally.count("errors", "unanswerable", n=unanswerable)
-            count_replies(self.tally, grouped, results)
+            count_replies(self.tally, delivery.grouped, delivery.results)
             sent_s = time.time()
             self.tally.observe_many("dispatch_wait", [sent_s - req.enqueued_ms / 1000.0 for req in accepted])
 

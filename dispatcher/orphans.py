@@ -16,15 +16,24 @@ instead of one.
 Key names come from producers too: a request stream whose name is not UTF-8
 or not a valid model name is an unknown model like any other, and one
 stream that cannot be swept never stops the sweep of the others.
+
+On Redis Cluster SCAN sees one node's keys, so every master is scanned, and
+one that cannot be reached (failing over) is skipped until the next sweep.
+There a served model's stream is ``<prefix>:requests:{<model>}``; entries
+written to ``<prefix>:requests:<model>`` (no hash tag) are answered with an
+error that names the right stream, and on one Redis the other way round.
 """
 from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Iterator
 
 import redis
+from redis.exceptions import RedisClusterException
 
 from packrat_mq import protocol, replies
+from packrat_mq.connection import is_cluster
 from packrat_mq.settings import Settings
 
 log = logging.getLogger("packrat_mq.orphans")
@@ -54,15 +63,20 @@ def sweep(r: redis.Redis, settings: Settings, *, batch: int = 500, own: str | No
         cutoff_ms = int(seconds) * 1000 + int(micros) // 1000 - grace_ms
         if cutoff_ms <= 0:
             return 0
-        head = keys.requests("").encode()
         handled = 0
-        for raw_key in r.scan_iter(match=keys.requests("*"), count=1000, _type="stream"):
-            model = raw_key[len(head):].decode("utf-8", "replace")
-            if model in served:
+        for raw_key in _request_streams(r, keys.request_streams()):
+            model, right_form = keys.model_of(raw_key)
+            if right_form and model in served:
                 continue
+            if right_form:
+                message = f"unknown model {model!r}; served models: {', '.join(sorted(served)) or 'none'}"
+            else:
+                where = "on Redis Cluster" if keys.cluster else "on this Redis (not a cluster)"
+                message = (f"no model reads {raw_key.decode('utf-8', 'replace')!r}: {where} the request stream "
+                           f"of model {model!r} is {keys.requests(model)!r}")
             try:
-                handled += _answer(r, settings, raw_key, model, served, batch, cutoff_ms)
-            except redis.RedisError as exc:
+                handled += _answer(r, settings, raw_key, model, message, batch, cutoff_ms)
+            except (redis.RedisError, RedisClusterException) as exc:
                 log.warning("could not sweep request stream %r: %s", raw_key, exc)
         return handled
     finally:
@@ -71,14 +85,26 @@ def sweep(r: redis.Redis, settings: Settings, *, batch: int = 500, own: str | No
         r.eval(_RELEASE, 1, keys.lock("orphan-sweep"), token)
 
 
-def _answer(r: redis.Redis, settings: Settings, key: bytes, model: str, served: set[str], batch: int,
+def _request_streams(r: redis.Redis, pattern: str) -> Iterator[bytes]:
+    """The names of the request streams of every model, served or not, on every master."""
+    if not is_cluster(r):
+        yield from r.scan_iter(match=pattern, count=1000, _type="stream")
+        return
+    for node in r.get_primaries():  # type: ignore[attr-defined]
+        try:
+            found = list(r.scan_iter(match=pattern, count=1000, _type="stream", target_nodes=node))
+        except (redis.RedisError, RedisClusterException) as exc:
+            log.warning("could not scan %s for request streams: %s", node.name, exc)
+            continue
+        yield from found
+
+
+def _answer(r: redis.Redis, settings: Settings, key: bytes, model: str, message: str, batch: int,
             cutoff_ms: int) -> int:
     """Answer (and delete) up to ``batch`` requests of one unknown model's stream older than ``cutoff_ms``."""
     entries = r.xrange(key, max=f"{cutoff_ms}-18446744073709551615", count=batch)
     if not entries:
         return 0
-    known = ", ".join(sorted(served)) or "none"
-    message = f"unknown model {model!r}; served models: {known}"
     pairs = []
     for sid, fields in entries:
         rid = protocol.entry_request_id(fields)
@@ -87,8 +113,8 @@ def _answer(r: redis.Redis, settings: Settings, key: bytes, model: str, served: 
             pairs.append((reply_to, protocol.error_reply(rid, message)))
         else:
             log.warning("dropped request %r for unknown model %r that cannot be answered", rid, model)
-    pipe = r.pipeline(transaction=True)
-    replies.queue(pipe, pairs, ttl_s=settings.reply_ttl_s)
-    pipe.xdel(key, *(sid for sid, _ in entries))
-    replies.execute(pipe, f"unknown model {model!r}")
+    with r.pipeline(transaction=True) as pipe:
+        delivery = replies.queue(r, pipe, pairs, ttl_s=settings.reply_ttl_s)
+        pipe.xdel(key, *(sid for sid, _ in entries))
+        replies.execute(pipe, f"unknown model {model!r}", delivery)
     return len(entries)

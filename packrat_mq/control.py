@@ -242,9 +242,9 @@ def refuse(r: redis.Redis, keys: Keys, entry_id: bytes, exc: ControlError, *, cl
 
 def deliver(r: redis.Redis, reply_to: str, fields: dict[str, Any], *, ttl_s: int, who: str) -> None:
     """Write one control reply (through :mod:`packrat_mq.replies`, as every reply is written)."""
-    pipe = r.pipeline(transaction=True)
-    replies.queue(pipe, [(reply_to, fields)], ttl_s=ttl_s)
-    replies.execute(pipe, who)
+    with r.pipeline(transaction=True) as pipe:
+        delivery = replies.queue(r, pipe, [(reply_to, fields)], ttl_s=ttl_s)
+        replies.execute(pipe, who, delivery)
 
 
 def new_id() -> str:

@@ -3,6 +3,16 @@
 Keys follow ``<prefix>:<kind>:<name...>``. Nothing else in the code base
 formats a key by hand, so a different prefix (several deployments sharing
 one Redis) or a renamed kind is a one-line change here.
+
+On Redis Cluster (``Keys(prefix, cluster=True)``, what a ``redis+cluster://``
+URL gives) the model segment of every key of one model is a hash tag,
+``<prefix>:<kind>:{<model>}[:<name>...]``: the request stream, the instance
+queues, the fence, the deployment, the records and the counters of one model
+hash to one slot, so the fan-out and the finish transactions stay single-slot
+MULTI/EXECs, while different models spread over the masters. Keys of no one
+model (the control stream, the registry, the index of models, locks, reply
+streams) stay untagged and land wherever they hash. On one Redis nothing
+changes: a tag there would only change the wire format for producers.
 """
 from __future__ import annotations
 
@@ -57,21 +67,48 @@ def request_owner(instance_id: str) -> str:
 
 @dataclass(frozen=True)
 class Keys:
-    """Key builder for one prefix (default ``packrat``)."""
+    """Key builder for one prefix (default ``packrat``); ``cluster``: a model's keys carry its hash tag."""
 
     prefix: str = "packrat"
+    cluster: bool = False
 
     def _key(self, kind: str, *names: str) -> str:
         return ":".join((self.prefix, kind, *names))
 
+    def _model_key(self, kind: str, model: str, *names: str) -> str:
+        """A key of one model: on Redis Cluster its model segment is the hash tag ``{<model>}``."""
+        return self._key(kind, self._tag(model), *names)
+
+    def _tag(self, model: str) -> str:
+        """The model segment of the model's keys: ``{<model>}`` on Redis Cluster, else the name."""
+        return f"{{{model}}}" if self.cluster else model
+
     # --- request path -------------------------------------------------
     def requests(self, model: str) -> str:
         """Stream producers XADD requests to; its length is the backlog."""
-        return self._key("requests", model)
+        return self._model_key("requests", model)
+
+    def request_streams(self) -> str:
+        """SCAN pattern of every request stream name of this prefix, tagged or not."""
+        return self._key("requests", "*")
+
+    def model_of(self, request_stream: bytes) -> tuple[str, bool]:
+        """(model name, whether the name has this mode's form) of a key matching :meth:`request_streams`.
+
+        A producer may write to any name: on Redis Cluster ``<prefix>:requests:echo``
+        (no tag) is not model ``echo``'s stream, and on one Redis
+        ``<prefix>:requests:{echo}`` is not either; both come back with
+        ``False`` and the bare name, so the sweep can say where to write.
+        """
+        head = self._key("requests", "").encode()
+        segment = request_stream[len(head):].decode("utf-8", "replace")
+        tagged = len(segment) > 2 and segment[0] == "{" and segment[-1] == "}"
+        name = segment[1:-1] if tagged else segment
+        return name, tagged == self.cluster
 
     def queue(self, model: str, instance_id: str) -> str:
         """Stream of sub-batches for one worker instance."""
-        return self._key("queue", model, instance_id)
+        return self._model_key("queue", model, instance_id)
 
     def wakeup(self, model: str) -> str:
         """List a worker pushes a token to when it finishes a sub-batch.
@@ -79,7 +116,7 @@ class Keys:
         The dispatcher blocks on it (BLPOP) while every instance is busy,
         instead of polling queue lengths.
         """
-        return self._key("wakeup", model)
+        return self._model_key("wakeup", model)
 
     def replies(self, client_id: str) -> str:
         """Default reply stream of one client (any stream key may be used)."""
@@ -88,7 +125,7 @@ class Keys:
     # --- control plane ------------------------------------------------
     def config(self, model: str) -> str:
         """JSON document: the configuration a model is served with now."""
-        return self._key("config", model)
+        return self._model_key("config", model)
 
     def deployment(self, model: str) -> str:
         """Hash of a model's deployment by node: node -> that node's part (JSON, a ``Deployment``).
@@ -96,7 +133,7 @@ class Keys:
         Each node's supervisor writes its own field; ``config`` is their merge,
         rewritten in the same transaction (see :mod:`packrat_mq.deployment`).
         """
-        return self._key("deployment", model)
+        return self._model_key("deployment", model)
 
     def fence(self, model: str, instance_id: str) -> str:
         """Set when a dispatcher hands a dead instance's requests back: that instance may no longer reply.
@@ -104,7 +141,7 @@ class Keys:
         The worker checks it (WATCH) in the transaction that replies, so a
         request re-dispatched elsewhere is answered once (see ``dispatcher.reclaiming``).
         """
-        return self._key("fence", model, instance_id)
+        return self._model_key("fence", model, instance_id)
 
     def control(self) -> str:
         """Stream of control messages (reconfigure a model); see docs/protocol.md."""
@@ -120,27 +157,27 @@ class Keys:
 
     def reconfigurations(self, model: str) -> str:
         """List of a model's last reconfigurations (JSON, newest first, at most 10)."""
-        return self._key("reconfigurations", model)
+        return self._model_key("reconfigurations", model)
 
     def instance(self, model: str, instance_id: str) -> str:
         """Hash describing one running instance (pid, cores, heartbeat)."""
-        return self._key("instance", model, instance_id)
+        return self._model_key("instance", model, instance_id)
 
     def dispatcher(self, model: str) -> str:
         """Hash describing the model's dispatcher (pid, host, state, heartbeat)."""
-        return self._key("dispatcher", model)
+        return self._model_key("dispatcher", model)
 
     def supervisor(self, model: str, node: str) -> str:
         """Hash describing the supervisor of one model on one node (pid, generation, instances)."""
-        return self._key("supervisor", model, node)
+        return self._model_key("supervisor", model, node)
 
     def stats(self, model: str) -> str:
         """Hash of counters (requests, batches, rejected, errors)."""
-        return self._key("stats", model)
+        return self._model_key("stats", model)
 
     def profile_result(self, model: str, node: str) -> str:
         """Profile JSON written by an enqueued (RQ) profiling job."""
-        return self._key("profile", model, node)
+        return self._model_key("profile", model, node)
 
     def lock(self, name: str) -> str:
         """A short-lived mutual-exclusion key (SET NX PX)."""
@@ -153,7 +190,7 @@ class Keys:
 
     def instances(self, model: str) -> str:
         """Set of instance ids of one model."""
-        return self._key("index", "instances", model)
+        return self._key("index", "instances", self._tag(model))
 
     def nodes(self) -> str:
         """Set of the node pools (``packrat-mq node``) on this Redis."""
@@ -161,4 +198,4 @@ class Keys:
 
     def supervisors(self, model: str) -> str:
         """Set of the nodes supervising instances of one model."""
-        return self._key("index", "supervisors", model)
+        return self._key("index", "supervisors", self._tag(model))

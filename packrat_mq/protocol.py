@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from packrat_mq.keys import Keys
+
 JSON = "application/json"
 NPY = "application/x-npy"
 TEXT = "text/plain"
@@ -136,8 +138,9 @@ def reply_to_problem(reply_to: str, prefix: str) -> str | None:
     """
     if not reply_to or len(reply_to) > MAX_REPLY_TO_LEN:
         return f"reply_to must be 1-{MAX_REPLY_TO_LEN} characters"
-    if reply_to.startswith(f"{prefix}:") and not reply_to.startswith(f"{prefix}:replies:"):
-        return f"reply_to {reply_to[:80]!r} is a key of the service itself; use {prefix}:replies:<client> or any key outside {prefix}:"
+    own, replies = f"{prefix}:", Keys(prefix).replies("")
+    if reply_to.startswith(own) and not reply_to.startswith(replies):
+        return f"reply_to {reply_to[:80]!r} is a key of the service itself; use {replies}<client> or any key outside {own}"
     return None
 
 

@@ -13,10 +13,22 @@ import logging
 from collections.abc import Callable
 
 import redis
+from redis.exceptions import AskError, ClusterDownError, SlotNotCoveredError, TryAgainError
 
 from packrat_mq.backoff import Backoff
 from packrat_mq.records import LiveRecord
 from packrat_mq.streams import ensure_group, is_nogroup
+
+
+#: Redis (or, on Redis Cluster, the master of a slot: failing over, a slot moved or not covered
+#: meanwhile) cannot be reached for now: waited out, not counted as a loop error.
+UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, TryAgainError, AskError,
+               SlotNotCoveredError)
+
+
+def _unblocked(exc: Exception) -> bool:
+    """A blocking read cut short because its master became a replica (Redis Cluster failing over)."""
+    return isinstance(exc, redis.ResponseError) and str(exc).startswith("UNBLOCKED")
 
 
 def recover(
@@ -44,7 +56,7 @@ def recover(
         except redis.RedisError as again:
             exc = again
     delay = backoff.failure()
-    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+    if isinstance(exc, UNREACHABLE) or _unblocked(exc):
         log.warning("%s: redis unreachable (%s); retrying in %.2f s", who, exc, delay)
     else:
         log.error("%s: loop iteration failed; retrying in %.2f s", who, delay, exc_info=exc)

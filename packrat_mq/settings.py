@@ -14,6 +14,14 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from packrat_mq.keys import Keys
 
+#: URL schemes of Redis Cluster: ``redis.cluster.RedisCluster`` connects, and a model's keys carry its hash tag.
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+
+
+def is_cluster_url(url: str | None) -> bool:
+    """Whether ``url`` names a Redis Cluster (``redis+cluster://`` or ``rediss+cluster://``)."""
+    return bool(url) and url.partition("://")[0].lower() in CLUSTER_SCHEMES  # type: ignore[union-attr]
+
 
 class Settings(BaseSettings):
     """Settings of a packrat-mq deployment (one prefix on one Redis)."""
@@ -22,7 +30,8 @@ class Settings(BaseSettings):
 
     redis_url: str | None = Field(
         default=None,
-        description="redis://, rediss:// or unix:// URL; None starts/finds the embedded server.",
+        description="redis://, rediss:// or unix:// URL, redis+cluster://host:port[,host:port...] "
+                    "(rediss+cluster:// with TLS) for Redis Cluster; None starts/finds the embedded server.",
     )
     prefix: str = Field(default="packrat", pattern=r"^[A-Za-z0-9_.\-]+$")
     batch_timeout_ms: float = Field(
@@ -109,5 +118,10 @@ class Settings(BaseSettings):
         return v.upper() if isinstance(v, str) else v
 
     @property
+    def cluster(self) -> bool:
+        """Whether this deployment runs on Redis Cluster (its URL says so)."""
+        return is_cluster_url(self.redis_url)
+
+    @property
     def keys(self) -> Keys:
-        return Keys(self.prefix)
+        return Keys(self.prefix, cluster=self.cluster)

@@ -6,6 +6,7 @@ import inspect
 import pytest
 import redis
 from pydantic import ValidationError
+from redis.crc import key_slot
 
 from packrat_mq.instances import Configuration, ConfigurationError, InstanceSpec
 from packrat_mq.keys import Keys
@@ -120,16 +121,17 @@ def all_keys(k: Keys) -> dict[str, str]:
     args = {"model": "resnet50", "instance_id": "i3", "client_id": "c0ffee", "node": "node-a", "name": "sweep"}
     out = {}
     for name, fn in inspect.getmembers(k, predicate=inspect.ismethod):
-        if name.startswith("_"):
+        if name.startswith("_") or name == "model_of":  # model_of reads a key, it builds none
             continue
         params = inspect.signature(fn).parameters
         out[name] = fn(*(args[p] for p in params))
     return out
 
 
+@pytest.mark.parametrize("cluster", [False, True])
 @pytest.mark.parametrize("prefix", ["packrat", "tenant-a", "x.y_z"])
-def test_keys_have_no_empty_segments_and_use_prefix(prefix: str) -> None:
-    keys = all_keys(Keys(prefix))
+def test_keys_have_no_empty_segments_and_use_prefix(prefix: str, cluster: bool) -> None:
+    keys = all_keys(Keys(prefix, cluster=cluster))
     assert len(keys) >= 11  # every builder was found and called
     for name, key in keys.items():
         assert "::" not in key, (name, key)
@@ -165,3 +167,54 @@ def test_settings_keys_follow_prefix() -> None:
     assert Keys().prefix == "packrat"
     with pytest.raises(ValidationError):
         Settings(prefix="a:b")  # a colon would make keys ambiguous
+
+
+def test_cluster_key_layout() -> None:
+    """On Redis Cluster the model segment is a hash tag; keys of no one model stay as they are."""
+    k = Keys("p", cluster=True)
+    assert k.requests("m") == "p:requests:{m}"
+    assert k.queue("m", "i0") == "p:queue:{m}:i0"
+    assert k.fence("m", "i0") == "p:fence:{m}:i0"
+    assert k.instances("m") == "p:index:instances:{m}"
+    assert k.supervisor("m", "n1") == "p:supervisor:{m}:n1"
+    assert k.replies("c") == "p:replies:c"
+    assert k.models() == "p:index:models"
+    assert k.control() == "p:control"
+    assert k.registry() == "p:registry:models"
+    assert k.request_streams() == "p:requests:*" == Keys("p").request_streams()
+
+
+# Every builder that takes a model: one model's keys are the transactions' keys.
+MODEL_KEYS = [name for name, fn in inspect.getmembers(Keys(), predicate=inspect.ismethod)
+              if not name.startswith("_") and "model" in inspect.signature(fn).parameters and name != "model_of"]
+
+
+def test_a_models_keys_hash_to_one_slot_in_a_cluster_and_models_spread() -> None:
+    assert {"requests", "queue", "fence", "wakeup", "stats", "instance", "dispatcher", "deployment",
+            "config", "instances"} <= set(MODEL_KEYS)
+    k = Keys("packrat", cluster=True)
+    for model in ("echo", "sleep", "resnet50"):
+        keys = {name: getattr(k, name)(*(model if p == "model" else "x1"
+                                         for p in inspect.signature(getattr(k, name)).parameters))
+                for name in MODEL_KEYS}
+        assert {key_slot(key.encode()) for key in keys.values()} == {key_slot(model.encode())}, keys
+    assert key_slot(k.requests("echo").encode()) != key_slot(k.requests("sleep").encode())
+    # On one Redis nothing is tagged: the wire format producers use stays as it was.
+    assert all("{" not in key for key in all_keys(Keys("packrat")).values())
+
+
+@pytest.mark.parametrize("cluster", [False, True])
+def test_model_of_reads_a_request_stream_name_back(cluster: bool) -> None:
+    k = Keys("p", cluster=cluster)
+    assert k.model_of(k.requests("echo").encode()) == ("echo", True)
+    other = Keys("p", cluster=not cluster).requests("echo").encode()
+    assert k.model_of(other) == ("echo", False)  # the other mode's name: no model of this one reads it
+    # Any bytes: an untagged name that is not a model's stream on a cluster, an unknown model elsewhere.
+    assert k.model_of(b"p:requests:bad\xffname") == ("bad\ufffdname", not cluster)
+
+
+def test_settings_say_cluster_from_the_url() -> None:
+    assert Settings(redis_url="redis+cluster://127.0.0.1:7000,127.0.0.1:7001").keys.cluster
+    assert Settings(redis_url="rediss+cluster://h:7000").cluster
+    assert not Settings(redis_url="redis://127.0.0.1:6379/0").keys.cluster
+    assert not Settings().cluster  # the embedded server is one Redis

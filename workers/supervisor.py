@@ -34,6 +34,7 @@ from dispatcher.spec import DispatcherSpec
 from optimizer.planning.selection import choose
 from packrat_mq import control
 from packrat_mq.backoff import Backoff
+from packrat_mq.connection import check_cluster
 from packrat_mq.deployment import Deployment, InstanceRecord, node_share, publish_part, withdraw_part
 from packrat_mq.exposition import ModelView, read_stream
 from packrat_mq.instances import Configuration
@@ -172,6 +173,7 @@ class Supervisor:
         planner: Callable[[int], Configuration] | None = None,
         ready_timeout_s: float = 600.0,
     ) -> None:
+        check_cluster(r, settings)
         self.r = r
         self.settings = settings
         self.keys = settings.keys

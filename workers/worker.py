@@ -10,6 +10,9 @@ and wake the dispatcher. The
 transaction is what makes each request answered exactly once: a worker that
 dies before EXEC leaves the sub-batch pending, and its replacement (same
 consumer name) delivers it again; one that dies after has nothing pending.
+On Redis Cluster the replies (in other slots) are written just before that
+transaction instead, so the same failure answers the sub-batch twice: at
+least once (:mod:`packrat_mq.replies`).
 
 No input ends the process: any exception while decoding or running a
 sub-batch becomes error replies for that sub-batch, and any error of an
@@ -28,14 +31,12 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping
-from typing import Any
 
 import redis
 
 from packrat_mq import logs, protocol, replies
 from packrat_mq.backoff import Backoff
-from packrat_mq.connection import connect
+from packrat_mq.connection import check_cluster, connect
 from packrat_mq.handler import BaseHandler, Input, Outcome, run_batch
 from packrat_mq.keys import DISPATCHER_GROUP, WORKER_GROUP
 from packrat_mq.metrics import WORKER_HISTOGRAMS, Tally, count_replies
@@ -74,6 +75,7 @@ class Worker:
     """Consumes one instance queue with one handler."""
 
     def __init__(self, r: redis.Redis, spec: WorkerSpec, handler: BaseHandler | None = None) -> None:
+        check_cluster(r, spec.settings)
         self.r = r
         self.spec = spec
         self.handler = handler
@@ -339,62 +341,62 @@ class Worker:
         inference_ms: float = 0.0,
     ) -> None:
         s = self.spec
-        pipe = self.r.pipeline(transaction=True)
-        # A dispatcher that took this instance for dead handed its requests to others and set the
-        # fence: watched, so a fence set between this check and the EXEC aborts the transaction.
-        pipe.watch(self.fence)
-        if pipe.exists(self.fence):
-            pipe.reset()
-            self._fenced(entry_id)
-            return
-        pipe.multi()
-        pairs = []
-        for req, outcome in zip(requests, outcomes or []):
-            timing = {
-                # Not clamped at 0: a negative value says the worker's clock is
-                # behind Redis's (the request's time is its stream id), which
-                # a clamp would hide.
-                "queue_ms": started_ms - req.enqueued_ms,
-                "inference_ms": inference_ms,
-                "batch_size": len(requests),
-                "instance": s.instance_id,
-                "model": s.model,
-            }
-            if outcome.ok:
-                try:
-                    payload, ctype = protocol.encode_payload(outcome.value)
-                except Exception as exc:  # noqa: BLE001 - a bad value fails its own request only
-                    outcome = Outcome(error=f"handler output could not be encoded: {exc}")
-                else:
-                    pairs.append((req.reply_to, protocol.reply_fields(req.id, payload=payload, content_type=ctype, **timing)))
-            if not outcome.ok:
-                pairs.append((req.reply_to, protocol.error_reply(req.id, outcome.error or "error", **timing)))
-        stats = self.keys.stats(s.model)
-        grouped = replies.queue(pipe, pairs, ttl_s=self.settings.reply_ttl_s, stats_key=stats)
-        pipe.xack(self.queue, WORKER_GROUP, entry_id)
-        pipe.xdel(self.queue, entry_id)
-        # The requests themselves, left in the request stream by the dispatcher (owned by this instance).
-        fetched = [req.stream_id for req in requests if req.stream_id and not req.inline]
-        if fetched:
-            pipe.xack(self.requests_stream, DISPATCHER_GROUP, *fetched)
-            pipe.xdel(self.requests_stream, *fetched)
-        pipe.lpush(self.keys.wakeup(s.model), s.instance_id)
-        pipe.ltrim(self.keys.wakeup(s.model), 0, WAKEUP_CAP - 1)
-        InstanceState.count(pipe, self.instance_key, "batches", renew=False)
-        try:
-            results = replies.execute(pipe, f"instance {s.instance_id}")
-        except redis.WatchError:
-            self._fenced(entry_id)  # the fence is the only key watched
-            return
-        # The delivery scripts were queued first: their results come first.
-        for (reply_to, group), res in zip(grouped.items(), results):
-            if res == -1:
-                ids = ", ".join(str(f["id"]) for f in group)
-                log.warning("instance %s: reply_to %r is not a stream; replies to %s were not written",
-                            s.instance_id, reply_to, ids)
+        with self.r.pipeline(transaction=True) as pipe:
+            # A dispatcher that took this instance for dead handed its requests to others and set the
+            # fence: watched, so a fence set between this check and the EXEC aborts the transaction.
+            pipe.watch(self.fence)
+            if pipe.exists(self.fence):
+                pipe.reset()
+                self._fenced(entry_id)
+                return
+            pipe.multi()
+            pairs = []
+            for req, outcome in zip(requests, outcomes or []):
+                timing = {
+                    # Not clamped at 0: a negative value says the worker's clock is
+                    # behind Redis's (the request's time is its stream id), which
+                    # a clamp would hide.
+                    "queue_ms": started_ms - req.enqueued_ms,
+                    "inference_ms": inference_ms,
+                    "batch_size": len(requests),
+                    "instance": s.instance_id,
+                    "model": s.model,
+                }
+                if outcome.ok:
+                    try:
+                        payload, ctype = protocol.encode_payload(outcome.value)
+                    except Exception as exc:  # noqa: BLE001 - a bad value fails its own request only
+                        outcome = Outcome(error=f"handler output could not be encoded: {exc}")
+                    else:
+                        pairs.append((req.reply_to, protocol.reply_fields(req.id, payload=payload, content_type=ctype,
+                                                                          **timing)))
+                if not outcome.ok:
+                    pairs.append((req.reply_to, protocol.error_reply(req.id, outcome.error or "error", **timing)))
+            stats = self.keys.stats(s.model)
+            # On Redis Cluster the replies are written here, before the EXEC (see packrat_mq.replies).
+            delivery = replies.queue(self.r, pipe, pairs, ttl_s=self.settings.reply_ttl_s, stats_key=stats)
+            pipe.xack(self.queue, WORKER_GROUP, entry_id)
+            pipe.xdel(self.queue, entry_id)
+            # The requests themselves, left in the request stream by the dispatcher (owned by this instance).
+            fetched = [req.stream_id for req in requests if req.stream_id and not req.inline]
+            if fetched:
+                pipe.xack(self.requests_stream, DISPATCHER_GROUP, *fetched)
+                pipe.xdel(self.requests_stream, *fetched)
+            pipe.lpush(self.keys.wakeup(s.model), s.instance_id)
+            pipe.ltrim(self.keys.wakeup(s.model), 0, WAKEUP_CAP - 1)
+            InstanceState.count(pipe, self.instance_key, "batches", renew=False)
+            try:
+                replies.execute(pipe, f"instance {s.instance_id}", delivery)
+            except redis.WatchError:
+                self._fenced(entry_id)  # the fence is the only key watched
+                return
+        for reply_to, group in delivery.undelivered():
+            ids = ", ".join(str(f["id"]) for f in group)
+            log.warning("instance %s: reply_to %r is not a stream; replies to %s were not written",
+                        s.instance_id, reply_to, ids)
         self.batches += 1
         if self.tally is not None and requests:
-            self._count(requests, grouped, results, started_ms, inference_ms)
+            self._count(requests, delivery, started_ms, inference_ms)
 
     def _fenced(self, entry_id: bytes) -> None:
         """Its requests were handed to other instances (it was taken for dead): reply nothing, and stop.
@@ -405,8 +407,8 @@ class Worker:
                   "sub-batch %s not answered here, stopping", self.spec.instance_id, entry_id.decode())
         self._stopping.set()
 
-    def _count(self, requests: list[protocol.Request], grouped: Mapping[str, list[Mapping[str, Any]]],
-               results: list[Any], started_ms: float, inference_ms: float) -> None:
+    def _count(self, requests: list[protocol.Request], delivery: replies.Delivery, started_ms: float,
+               inference_ms: float) -> None:
         """The sub-batch in the metrics' tally (in memory; the heartbeat publishes it)."""
         tally = self.tally
         assert tally is not None
@@ -417,7 +419,7 @@ class Worker:
         enqueued_ms = [req.enqueued_ms for req in requests]
         tally.observe_many("queue", [(started_ms - e) / 1000.0 for e in enqueued_ms])
         tally.observe_many("end_to_end", [(answered_ms - e) / 1000.0 for e in enqueued_ms])
-        count_replies(tally, grouped, results)
+        count_replies(tally, delivery.grouped, delivery.results)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,12 +13,14 @@ from typing import Any
 
 import click
 import redis
+from redis.exceptions import RedisClusterException
 
 from packrat_mq.connection import (
     EmbeddedRedis,
     NoRedisError,
     RedisURLError,
     connect,
+    is_cluster,
     redact,
     resolve_url,
     scrub,
@@ -44,7 +46,8 @@ def redis_options(func: Callable[..., Any] | None = None, *, check: bool = False
         "--redis-url",
         envvar="PACKRAT_REDIS_URL",
         default=None,
-        help="redis://[user:password@]host:port/db, rediss:// (TLS) or unix:///path. "
+        help="redis://[user:password@]host:port/db, rediss:// (TLS), unix:///path, or "
+        "redis+cluster://host:port[,host:port...] (rediss+cluster://) for Redis Cluster. "
         "Default: the embedded server started by `packrat-mq up`.",
     )
     @click.option("--prefix", envvar="PACKRAT_PREFIX", default="packrat", show_default=True,
@@ -129,16 +132,32 @@ def resolve_or_fail(settings: Settings) -> str:
 
 
 def require_redis(url: str, timeout_s: float = 5.0) -> None:
-    """Connect to ``url`` and PING it, or raise a one-line ``ClickException`` saying why not."""
+    """Connect to ``url`` and PING it, or raise a one-line ``ClickException`` saying why not.
+
+    A node of a Redis Cluster named by a ``redis://`` URL is refused too: one
+    client would see a slot's keys and be sent elsewhere for the rest.
+    """
     remember_url(url)
     try:
         probe = connect(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
         try:
             probe.ping()
+            clustered = not is_cluster(probe) and _cluster_enabled(probe)
         finally:
             probe.close()
-    except (redis.RedisError, OSError, RedisURLError) as exc:
+    except (redis.RedisError, OSError, RedisURLError, RedisClusterException) as exc:
         raise click.ClickException(describe_failure(exc, url)) from None
+    if clustered:
+        raise click.ClickException(f"Redis at {redact(url)} is a node of a Redis Cluster: give its nodes as "
+                                   "redis+cluster://host:port[,host:port...] (rediss+cluster:// with TLS)")
+
+
+def _cluster_enabled(r: redis.Redis) -> bool:
+    """Whether the server has cluster mode on (False when INFO is not allowed: nothing to say then)."""
+    try:
+        return bool(r.info("cluster").get("cluster_enabled"))
+    except redis.ResponseError:
+        return False
 
 
 def describe_failure(exc: BaseException, url: str | None) -> str:
@@ -147,6 +166,10 @@ def describe_failure(exc: BaseException, url: str | None) -> str:
         return scrub(str(exc), url)
     shown = redact(url) if url else "the server"
     detail = _detail(exc, url)
+    if isinstance(exc, RedisClusterException):
+        if "Cluster mode is not enabled" in str(exc):
+            return f"Redis at {shown} is not a cluster (its cluster mode is off): use redis:// for one Redis"
+        return f"cannot use Redis Cluster at {shown}: {detail}"
     if isinstance(exc, redis.exceptions.NoPermissionError):
         return f"the Redis user of {shown} lacks a permission packrat-mq needs ({detail})"
     if isinstance(exc, redis.AuthenticationError) or _code(exc) in ("WRONGPASS", "NOAUTH"):
@@ -180,6 +203,8 @@ def is_connection_failure(exc: BaseException) -> bool:
         return isinstance(exc, (ConnectionError, TimeoutError, socket.gaierror, socket.herror, ssl.SSLError))
     if isinstance(exc, redis.DataError):
         return False
+    if isinstance(exc, RedisClusterException):  # not a RedisError; a cross-slot command is a bug, not Redis
+        return not isinstance(exc, redis.exceptions.CrossSlotTransactionError)
     return isinstance(exc, (redis.RedisError, RedisURLError, NoRedisError))
 
 

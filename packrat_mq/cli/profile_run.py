@@ -202,6 +202,11 @@ def _enqueue(
     settings: Settings, all_options: list[ProfilingOptions], nodes: tuple[str, ...], queue_name: str | None,
     store_dir: str, fresh: bool, job_timeout: int, as_json: bool,
 ) -> None:
+    if settings.cluster:
+        # RQ's own transactions span keys of several slots (rq/rq#1942, CROSSSLOT).
+        raise click.UsageError("--enqueue needs a Redis that is not a cluster: RQ does not run on Redis Cluster. "
+                               "Queue the jobs on a plain Redis (--redis-url redis://...), or profile on the node "
+                               "itself without --enqueue")
     r, url = connect_or_fail(settings)
     targets = nodes or (socket.gethostname(),)
     jobs = []
