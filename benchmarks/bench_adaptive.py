@@ -54,7 +54,7 @@ from optimizer.planning.selection import choose  # noqa: E402
 from packrat_mq import protocol  # noqa: E402
 from packrat_mq.connection import EmbeddedRedis, connect  # noqa: E402
 from packrat_mq.keys import Keys  # noqa: E402
-from packrat_mq.records import DispatcherState  # noqa: E402
+from packrat_mq.records import DispatcherState, SupervisorState  # noqa: E402
 from packrat_mq.topology import Topology  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -247,6 +247,31 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
+def wait_for_spares(url: str, prefix: str, model: str, timeout_s: float = 600.0) -> float | None:
+    """Wait until every supervisor of the model has loaded the spares it keeps; seconds waited (None: none kept).
+
+    The trace measures the service settled: spares are loaded once, after
+    start-up (the start-up itself is timed and reported, not mixed into the
+    idle phase's latencies).
+    """
+    r = connect(url)
+    keys = Keys(prefix)
+    began = time.monotonic()
+    try:
+        while time.monotonic() - began < timeout_s:
+            nodes = [n.decode() for n in r.smembers(keys.supervisors(model))]
+            recs = [SupervisorState.load(r, keys.supervisor(model, n)) for n in nodes]
+            if recs and all(rec is not None for rec in recs):
+                if not any(rec.spares_wanted for rec in recs):  # type: ignore[union-attr]
+                    return None
+                if all(rec.spares >= rec.spares_wanted for rec in recs):  # type: ignore[union-attr]
+                    return time.monotonic() - began
+            time.sleep(0.2)
+        raise SystemExit(f"spares of {model} not loaded after {timeout_s:.0f} s")
+    finally:
+        r.close()
+
+
 def run_setup(name: str, args: argparse.Namespace, url: str, phases: list[Phase],
               payloads: list[tuple[bytes, str]]) -> dict[str, Any]:
     prefix = f"bench-{name}-{uuid.uuid4().hex[:6]}"
@@ -279,6 +304,9 @@ def run_setup(name: str, args: argparse.Namespace, url: str, phases: list[Phase]
     out_thread = threading.Thread(target=lambda: [lines.append(x.rstrip()) for x in proc.stdout], daemon=True)  # type: ignore[union-attr]
     out_thread.start()
     print(f"[{name}] serving: {lines[-2] if len(lines) > 1 else ''}", flush=True)
+    spares_s = wait_for_spares(url, prefix, args.model)
+    if spares_s is not None:
+        print(f"[{name}] spares loaded {spares_s:.1f} s after ready; the trace starts now", flush=True)
     monitor = Monitor(url, prefix, args.model)
     monitor.start()
     driver = Driver(url, prefix, args.model, payloads, seed=args.seed)
@@ -294,7 +322,9 @@ def run_setup(name: str, args: argparse.Namespace, url: str, phases: list[Phase]
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
-    return analyse(name, driver, monitor.samples, history, phases, lines)
+    result = analyse(name, driver, monitor.samples, history, phases, lines)
+    result["spares_loaded_s"] = spares_s
+    return result
 
 
 def analyse(name: str, driver: Driver, samples: list[dict[str, Any]], history: list[dict[str, Any]],

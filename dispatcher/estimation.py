@@ -200,12 +200,20 @@ class Policy:
 
     # --- deciding --------------------------------------------------------
     def rate(self, now: float) -> float | None:
-        """Requests dispatched per second over the last ``rate_window_s`` (None before one trigger period of it)."""
+        """Requests dispatched per second: the larger of the last ``rate_window_s`` and the last trigger period.
+
+        The long window keeps a rate wandering near a boundary from letting a
+        smaller B through; the short one sees a step up at once (a backlog
+        draining right after a change up is the load a smaller B would face).
+        None before one trigger period has been watched.
+        """
         self._forget(now)
         s = self.settings
         if self._flow_since is None or now - self._flow_since < s.trigger_period_s:
             return None
-        return sum(size for _, size in self._flow) / min(s.rate_window_s, now - self._flow_since)
+        long = sum(size for _, size in self._flow) / min(s.rate_window_s, now - self._flow_since)
+        short = sum(size for at, size in self._flow if at >= now - s.trigger_period_s) / s.trigger_period_s
+        return max(long, short)
 
     def short_of_capacity(self, now: float, batch: int, capacity: Callable[[int], float | None] | None) -> bool:
         """Whether ``batch`` could not serve the recent dispatch rate with the margin to spare."""

@@ -213,6 +213,9 @@ class SupervisorState(LiveRecord):
     #: A reconfiguration in progress: its phase (warming, switching, draining, stopping) and target.
     phase: str = ""
     target: str = ""
+    #: Spare instances loaded, and how many it keeps (see ``workers.rebinding``).
+    spares: int = 0
+    spares_wanted: int = 0
 
 
 def _judge(state: str, heartbeat: float, interval: float, now: float) -> str:

@@ -290,3 +290,13 @@ def test_up_is_quick_and_down_is_slow() -> None:
     # The load vanishes: down only after the whole (1 s) timeout.
     _, down = drive(policy, est, clock, [0.0] * 600, current=current)
     assert down and down[0][0] - (t_step + 2.0) >= 1.0
+
+
+def test_the_guard_sees_a_step_in_the_last_second() -> None:
+    """4 s at 50/s then 1 s draining at 184/s: the 5 s mean (77/s) would let B=16 through; the last second does not."""
+    policy = Policy()
+    policy.decide(0.0, 1, 1)
+    t = dispatch_at(policy, 0.0, 4.0, 50.0, 1, False)
+    t = dispatch_at(policy, t, 1.0, 184.0, 8, True)
+    assert policy.rate(t) == pytest.approx(184.0, rel=0.1)
+    assert policy.short_of_capacity(t, 16, CAPACITY.get)

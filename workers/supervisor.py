@@ -202,6 +202,8 @@ class Supervisor:
         #: processes (see :mod:`workers.rebinding`).
         self.spares: list[Instance] = []
         self._spare_seq = 0
+        #: Spare id -> the pid whose record said ``spare`` (loaded): read from Redis once per process.
+        self._loaded: dict[str, int] = {}
         self._largest: int | None = None
         self.dispatcher = self._dispatcher() if with_dispatcher else None
         #: Whether the dispatcher's estimator chooses B (see ``dispatcher.estimation``).
@@ -537,6 +539,7 @@ class Supervisor:
         same = [i for i in live if i.record.threads == a.threads and i.record.cpus == list(a.cpus)]
         inst = (same or live)[0]
         self.spares.remove(inst)
+        self._loaded.pop(inst.record.id, None)
         return inst
 
     def _bind(self, inst: Instance, a: CoreAssignment) -> None:
@@ -607,11 +610,22 @@ class Supervisor:
         self.spares.append(inst)
 
     def _is_spare(self, inst: Instance) -> bool:
-        """Whether a spare has loaded (its record says ``spare`` with its pid)."""
-        if inst.child.process is None:
+        """Whether a spare has loaded (its record says ``spare`` with its pid); one read per process."""
+        if inst.child.process is None or not inst.child.running():
             return False
+        pid = inst.child.process.pid
+        if self._loaded.get(inst.record.id) == pid:
+            return True
         rec = InstanceState.load(self.r, inst.child.record_key)
-        return rec is not None and rec.state == "spare" and rec.pid == inst.child.process.pid
+        if rec is not None and rec.state == "spare" and rec.pid == pid:
+            self._loaded[inst.record.id] = pid
+            return True
+        return False
+
+    def spares_loaded(self) -> int:
+        """How many spares are loaded (as last seen: no Redis read)."""
+        return sum(1 for i in self.spares if i.child.process is not None
+                   and self._loaded.get(i.record.id) == i.child.process.pid and i.child.running())
 
     def _dispatcher_adopted(self, generation: int) -> bool:
         """Whether the dispatcher serves ``generation`` (or none is alive to send anything at all)."""
@@ -776,6 +790,7 @@ class Supervisor:
             instances=[i.record.id for i in self.instances], with_dispatcher=self.with_dispatcher,
             adaptive=self.adaptive, phase=self.change.phase if self.change else "",
             target=self.change.target.compact() if self.change else "",
+            spares=self.spares_loaded(), spares_wanted=self.spare_cap(),
         )
         try:
             pipe = self.r.pipeline(transaction=False)
