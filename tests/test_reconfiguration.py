@@ -349,8 +349,8 @@ def test_prewarmed_spares_make_even_the_first_change_without_a_start(
     sup = make("sleep", "2x4")
     sup.settings = sup.settings.model_copy(update={"spare_instances": 2, "prewarm_spares": True})
     sup.start(ready_timeout=60)
-    supervise_until(sup, lambda: len(sup.spares) == 2 and all(sup._is_spare(i) for i in sup.spares), 60,
-                    "two spares to load")
+    supervise_until(sup, lambda: sup.spares_loaded() == 2, 60, "two spares to load")
+    assert r.hget(settings.keys.supervisor("sleep", "n1"), "spares") == b"2"  # all of them, the last one too
     assert r.hget(settings.keys.supervisor("sleep", "n1"), "instances") == sup.instances[0].record.id.encode()
     with Load(redis_url, prefix, "sleep", clients=6) as load:
         time.sleep(0.5)

@@ -585,12 +585,14 @@ class Supervisor:
 
     def _prewarm(self) -> None:
         """Start one more spare if asked to pre-start them, none is starting and there is room; never blocks."""
+        # Which spares have loaded: one read per spare process until it has (then cached).
+        loading = [i for i in self.spares if not self._is_spare(i)]
         prewarm = self.settings.prewarm_spares
         if prewarm is None:
             prewarm = self.adaptive
         if not prewarm or self.change is not None or len(self.spares) >= self.spare_cap():
             return
-        if any(not self._is_spare(i) for i in self.spares) or not self._room_for_spare():
+        if loading or not self._room_for_spare():
             return  # one at a time: a start takes CPU from the instances serving
         cores = self.topology.cores
         pin = not self.topology.simulated
