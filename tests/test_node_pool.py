@@ -123,3 +123,22 @@ def test_two_models_on_one_node_get_disjoint_cores(node: list[subprocess.Popen[b
     assert client.submit("one", {"a": 1}).value() == {"a": 1}
     assert client.submit("two", {"b": 2}).value() == {"b": 2}
     client.close()
+
+
+@pytest.mark.skipif(Topology.detect().physical_cores < 2, reason="needs two physical cores")
+def test_a_models_spares_hold_no_cores(node: list[subprocess.Popen[bytes]], redis_url: str,
+                                       prefix: str, r: redis.Redis) -> None:
+    """An adaptive model pre-starts a spare (pinned to every core it may use, idle): a second model still fits."""
+    res = cli(redis_url, prefix, "models", "register", "one", "--handler", "echo", "--threads", "1")
+    assert res.returncode == 0, res.stderr
+
+    def spare_loaded() -> bool:
+        ids = [i.decode() for i in r.smembers(f"{prefix}:index:instances:one")]
+        return any(r.hget(f"{prefix}:instance:one:{i}", "state") == b"spare" for i in ids)
+
+    wait_for(spare_loaded, 60, "model one's spare")
+    res = cli(redis_url, prefix, "models", "register", "two", "--handler", "echo", "--instances", "1x1")
+    assert res.returncode == 0, res.stderr
+    (one,) = json.loads(r.get(f"{prefix}:config:one"))["instances"]
+    (two,) = json.loads(r.get(f"{prefix}:config:two"))["instances"]
+    assert not set(one["cpus"]) & set(two["cpus"])

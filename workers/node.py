@@ -88,8 +88,9 @@ class NodePool:
         return sorted(out, key=lambda g: g.registered)
 
     def free_topology(self) -> Topology:
-        """This node's cores less those its models hold (every instance, passive and retiring included)."""
-        held = {c for sup in self.supervisors.values() for inst in sup.all_instances for c in inst.record.cpus}
+        """This node's cores less those its models hold (every instance, passive and retiring included;
+        spares are idle and hold none)."""
+        held = {c for sup in self.supervisors.values() for inst in sup.holding for c in inst.record.cpus}
         return self.topology.without(held)
 
     # --- serving a model ---------------------------------------------------------

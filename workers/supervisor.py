@@ -245,6 +245,11 @@ class Supervisor:
                      record_key=self.keys.dispatcher(self.model), record=DispatcherState)
 
     @property
+    def holding(self) -> list[Instance]:
+        """The instances that hold cores: active, passive and retiring (a spare holds none: it is idle)."""
+        return self.instances + self.passive + self.retiring
+
+    @property
     def all_instances(self) -> list[Instance]:
         """Active, passive, retiring and spare instances: every worker process this supervisor owns."""
         return self.instances + self.passive + self.retiring + self.spares
