@@ -14,6 +14,7 @@ from typing import Any
 import click
 import redis
 
+from packrat_mq import graph as graph_modes
 from packrat_mq.connection import (
     EmbeddedRedis,
     NoRedisError,
@@ -62,6 +63,33 @@ def redis_options(func: Callable[..., Any] | None = None, *, check: bool = False
         if check and (settings.redis_url or not embedded_ok):
             require_redis(resolve_or_fail(settings))
         return func(*args, settings=settings, **kwargs)
+
+    return wrapper
+
+
+def graph_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Add ``--graph [BACKEND]`` and ``--eager``; the command receives ``graph``: the mode asked for, or None.
+
+    ``--graph`` alone is ``graph`` (the model's default backend,
+    :func:`packrat_mq.graph.default_backend`), ``--graph BACKEND`` that
+    backend, ``--eager`` ``eager``; neither is None, and the command falls
+    back on ``PACKRAT_GRAPH_MODE``. Resolving ``graph`` needs the model, so
+    the command does it (:func:`packrat_mq.graph.resolve`).
+    """
+
+    @click.option("--graph", "graph", is_flag=False, flag_value="graph", default=None, metavar="[BACKEND]",
+                  help=f"Graph mode: alone, the model's default backend (measured fastest); or one of "
+                       f"{', '.join(graph_modes.BACKENDS)}. Default: PACKRAT_GRAPH_MODE, else eager.")
+    @click.option("--eager", is_flag=True, default=False, help="Serve the model as loaded, no graph (the default).")
+    @functools.wraps(func)
+    def wrapper(*args: Any, graph: str | None, eager: bool, **kwargs: Any) -> Any:
+        if eager and graph is not None:
+            raise click.UsageError("--graph and --eager exclude each other: give one")
+        try:
+            choice = "eager" if eager else (graph_modes.parse(graph) if graph is not None else None)
+        except graph_modes.GraphModeError as exc:
+            raise click.BadParameter(str(exc), param_hint="--graph") from None
+        return func(*args, graph=choice, **kwargs)
 
     return wrapper
 
