@@ -36,11 +36,15 @@ from typing import Any
 
 #: The graph backends, in the order they are listed to users.
 BACKENDS: tuple[str, ...] = ("torchscript", "compile", "export", "aoti")
+#: Backends that compile C++ when an instance starts (tens of seconds for the zoo's models).
+COMPILING: tuple[str, ...] = ("compile", "aoti")
 #: Every concrete mode an instance can run in.
 MODES: tuple[str, ...] = ("eager", *BACKENDS)
-#: What ``--graph`` alone means for a model without a measured default of its own.
-DEFAULT_BACKEND = "torchscript"
-#: Zoo models whose measured fastest backend differs from ``DEFAULT_BACKEND``.
+#: What ``--graph`` alone means: the backend measured fastest in steady state for every zoo model
+#: (``benchmarks/bench_graph.py``; docs/figures.md "Graph backends", docs/decisions.md "Graph mode").
+#: It is also the slowest to start: tens of seconds of compilation per instance.
+DEFAULT_BACKEND = "compile"
+#: Zoo models whose measured fastest backend differs from ``DEFAULT_BACKEND``: none did.
 MODEL_DEFAULTS: dict[str, str] = {}
 
 _EAGER_WORDS = {"", "eager", "none", "off", "false", "no", "0"}
@@ -113,6 +117,8 @@ def build(model: Any, batch: Any, backend: str, options: dict[str, Any] | None =
     args = tuple(batch.values()) if isinstance(batch, dict) else batch
     if not isinstance(args, tuple):
         args = (args,)
+    if backend != "torchscript":
+        _batch_size(args)  # a static graph needs one batch dimension to pad and cut sub-batches along
     try:
         built = _BUILDERS[backend](model, args, dict(options or {}))
     except GraphModeError:

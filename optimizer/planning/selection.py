@@ -80,8 +80,11 @@ def choose(model: str, threads: int, batch: int, profile: str | Path | None = No
     if path is None:
         config = Configuration.uniform(1, threads, batch)
         others = [(m, p) for m in MODES if m != mode and (p := find_profile(model, mode=m)) is not None]
-        unused = (f"; {', '.join(str(p) for _, p in others)} {'is a profile' if len(others) == 1 else 'are profiles'} "
-                  f"of {', '.join(m for m, _ in others)}, not used in {mode} mode" if others else "")
+        if len(others) == 1:
+            unused = f"; {others[0][1]} is the {others[0][0]} profile, not used in {mode} mode"
+        else:
+            unused = (f"; {', '.join(f'{p} ({m})' for m, p in others)} are other modes' profiles, not used in "
+                      f"{mode} mode" if others else "")
         command = f"packrat-mq profile run --model {model}" + graph_option(mode)
         return Choice(config, "default", None,
                       f"no {profile_filename(model, mode)} profile for {model!r}{unused}: one instance with "

@@ -13,6 +13,7 @@ from typing import Any
 
 import click
 import redis
+from pydantic import ValidationError
 
 from packrat_mq import graph as graph_modes
 from packrat_mq.connection import (
@@ -58,6 +59,8 @@ def redis_options(func: Callable[..., Any] | None = None, *, check: bool = False
             remember_url(redis_url)
         try:
             settings = Settings(**overrides)
+        except ValidationError as exc:
+            raise click.ClickException(scrub(settings_error(exc), redis_url)) from None
         except ValueError as exc:
             raise click.ClickException(scrub(str(exc), redis_url)) from None
         if check and (settings.redis_url or not embedded_ok):
@@ -65,6 +68,15 @@ def redis_options(func: Callable[..., Any] | None = None, *, check: bool = False
         return func(*args, settings=settings, **kwargs)
 
     return wrapper
+
+
+def settings_error(exc: ValidationError) -> str:
+    """A bad setting in one line, named as its environment variable: ``PACKRAT_GRAPH_MODE: unknown ...``."""
+    parts = []
+    for error in exc.errors():
+        name = "PACKRAT_" + "_".join(str(p) for p in error["loc"]).upper() if error["loc"] else "settings"
+        parts.append(f"{name}: {error['msg'].removeprefix('Value error, ')}")
+    return "; ".join(parts)
 
 
 def graph_options(func: Callable[..., Any]) -> Callable[..., Any]:

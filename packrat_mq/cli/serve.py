@@ -250,6 +250,10 @@ def _run(settings: Settings, url: str, plan: ServePlan, *, with_dispatcher: bool
         if plan.topology is not None and plan.topology.simulated:
             click.echo(f"simulating one socket of {plan.topology.physical_cores} cores: the cpus below are labels, "
                        "no instance is pinned")
+        if plan.adaptive and plan.graph in graph_modes.COMPILING:
+            err(f"note: graph mode {plan.graph} compiles the model at every instance start (tens of seconds, "
+                f"docs/figures.md); adaptive B starts new instances whenever a change needs other thread "
+                f"counts, and waits for them. --graph torchscript starts in seconds")
         click.echo(f"starting {plan.model}: {config} (B={config.batch}, {config.threads} threads"
                    + (f", graph mode {plan.graph}" if plan.graph != "eager" else "")
                    + (f", predicted {config.predicted_latency_ms:.2f} ms" if config.predicted_latency_ms else "")
