@@ -51,6 +51,7 @@ os.environ.setdefault("PACKRAT_LOG_LEVEL", "WARNING")
 from optimizer.calibration import example_payloads  # noqa: E402
 from optimizer.planning.profile import Profile, resolve_profile_path  # noqa: E402
 from optimizer.planning.selection import choose  # noqa: E402
+from packrat_mq import graph as graph_modes  # noqa: E402
 from packrat_mq import protocol  # noqa: E402
 from packrat_mq.connection import EmbeddedRedis, connect  # noqa: E402
 from packrat_mq.keys import Keys  # noqa: E402
@@ -75,11 +76,11 @@ class Phase:
         return self.rate_from + (self.rate_to - self.rate_from) * min(1.0, t / self.seconds)
 
 
-def capacities(model: str, threads: int, profile: str | None, graph: bool, scale: float) -> dict[int, float]:
+def capacities(model: str, threads: int, profile: str | None, graph: str, scale: float) -> dict[int, float]:
     """Requests per second each power-of-two B can serve, from the optimizer's predicted latency."""
     caps = {}
     for b in (1, 2, 4, 8, 16, 32):
-        choice = choose(model, threads, b, profile, graph=graph)
+        choice = choose(model, threads, b, profile, mode=graph)
         loaded = Profile.load(choice.profile_path) if choice.profile_path else None
         predicted = choice.configuration.predicted_latency_ms
         path = (loaded.path_cost_ms(b) or 0.0) if loaded else 0.0
@@ -277,8 +278,8 @@ def run_setup(name: str, args: argparse.Namespace, url: str, phases: list[Phase]
     prefix = f"bench-{name}-{uuid.uuid4().hex[:6]}"
     cmd = [sys.executable, "-m", "packrat_mq", "up", "--model", args.model, "--redis-url", url, "--prefix", prefix,
            "--batch-timeout-ms", str(BATCH_WAIT_MS), "--threads", str(args.threads), "--exit-with-parent"]
-    if args.graph:
-        cmd.append("--graph")
+    if args.graph != "eager":
+        cmd += ["--graph", args.graph]
     if args.profile:
         cmd += ["--profile", args.profile]
     if args.simulate_cores:
@@ -510,7 +511,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="resnet50")
-    p.add_argument("--graph", action="store_true")
+    p.add_argument("--graph", nargs="?", const="graph", default="eager",
+                   help="graph mode: alone the model's default backend, or a backend (as `up --graph`)")
     p.add_argument("--profile", default=None)
     p.add_argument("--simulate-cores", type=int, default=None)
     p.add_argument("--option", "-o", action="append", default=[])
@@ -525,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         print(markdown(json.loads(Path(args.report).read_text())))
         return 0
+    args.graph = graph_modes.resolve(args.graph, args.model)
     args.threads = args.threads or args.simulate_cores or Topology.detect().max_cores_per_socket
     profile = args.profile
     if args.model == "profiled" and profile and not any(o.startswith("profile=") for o in args.option):
@@ -544,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "title": f"{name}: T={args.threads}, batch wait {BATCH_WAIT_MS:g} ms",
         "model": args.model, "threads": args.threads, "simulate_cores": args.simulate_cores,
-        "profile": str(resolve_profile_path(profile or args.model, graph=args.graph)) if (profile or args.model) else None,
+        "profile": str(resolve_profile_path(profile or args.model, mode=args.graph)) if (profile or args.model) else None,
         "capacities": caps, "phases": [ph.__dict__ for ph in phases], "trace_notes": notes, "setups": {},
         "machine": Topology.detect().summary(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }

@@ -9,10 +9,10 @@ then a measured period, then an idle probe (one client, one request at a time).
 Setups, with T the CPUs this process may run on (``os.sched_getaffinity``):
 
 - ``torchserve``: TorchServe, 1 worker x T threads, ``batch_size`` B, ``max_batch_delay`` W;
-- ``packrat-layout``: ``packrat-mq up --graph --instances TxB`` (the same layout), batch timeout W;
-- ``packrat-auto``: ``packrat-mq up --graph --threads T --batch B`` (the optimizer's choice), W;
+- ``packrat-layout``: ``packrat-mq up --graph torchscript --instances TxB`` (the same layout), batch timeout W;
+- ``packrat-auto``: ``packrat-mq up --graph torchscript --threads T --batch B`` (the optimizer's choice), W;
 - ``torchserve-b1``: TorchServe, 1 worker x T threads, B=1;
-- ``packrat-b1``: ``packrat-mq up --graph --instances Tx1``, no batch wait.
+- ``packrat-b1``: ``packrat-mq up --graph torchscript --instances Tx1``, no batch wait.
 
 Setups run one after the other, in interleaved rounds (A, B, C, ..., A, B, C,
 ...), each server started before its turn and stopped after it, so drift of a
@@ -72,7 +72,7 @@ class Setup:
         wait = f"{self.wait_ms:g} ms wait" if self.wait_ms else "no wait"
         if self.server == "torchserve":
             return f"TorchServe, 1 worker x {self.threads} threads, B={self.batch}, {wait}"
-        command = " ".join(("up", "--graph", *self.args))
+        command = " ".join(("up", "--graph torchscript", *self.args))
         return (f"packrat-mq {f'`{command}`' if markdown else command}"
                 + (f" ({self.note})" if self.note else "") + f", {wait}")
 

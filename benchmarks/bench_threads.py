@@ -37,7 +37,7 @@ threads, batches, iters, model = json.loads(sys.argv[1])
 out = {}
 for b in batches:
     spec = runtime.RuntimeSpec(model=model, handler=model, instance_id="bench", threads=threads, batch=b,
-                               cpus=sorted(__import__("os").sched_getaffinity(0))[:threads], graph_mode=True)
+                               cpus=sorted(__import__("os").sched_getaffinity(0))[:threads], graph_mode="torchscript")
     h = runtime.start(spec)
     items = h.example_batch(b)
     for _ in range(5):

@@ -60,15 +60,16 @@ class PlannedCapacity:
     budgets change only with the nodes.
     """
 
-    def __init__(self, model: str, profile: str | None, graph: bool = False) -> None:
-        self.model, self.profile, self.graph = model, profile, graph
+    def __init__(self, model: str, profile: str | None, mode: str = "eager") -> None:
+        #: The graph mode served (``eager`` or a backend): the profile's plans are that mode's.
+        self.model, self.profile, self.mode = model, profile, mode
         self.budgets: dict[str, int] = {}
-        self._cache: dict[tuple[int, tuple[tuple[str, int], ...]], float | None] = {}
+        self._cache: dict[tuple[int, tuple[tuple[str, int], ...], str], float | None] = {}
 
     def __call__(self, batch: int) -> float | None:
         if not self.profile or not self.budgets:
             return None
-        key = (batch, tuple(sorted(self.budgets.items())))
+        key = (batch, tuple(sorted(self.budgets.items())), self.mode)
         if key not in self._cache:
             self._cache[key] = self._plan(batch)
         return self._cache[key]
@@ -80,7 +81,8 @@ class PlannedCapacity:
             if share <= 0:
                 continue
             try:
-                latency = choose(self.model, threads, share, self.profile, graph=self.graph).configuration.predicted_latency_ms
+                latency = choose(self.model, threads, share, self.profile,
+                                 mode=self.mode).configuration.predicted_latency_ms
             except Exception as exc:  # noqa: BLE001 - no plan: no capacity known, nothing refused
                 log.debug("no planned capacity for %s at B=%d: %s", self.model, batch, exc)
                 return None

@@ -112,7 +112,7 @@ class Dispatcher:
         self.reclaimer = Reclaimer(r, self.keys, self.model, self.consumer, settings.node_grace_s)
         #: The estimator: samples the backlog in a thread of its own while running (see :meth:`run`).
         #: What each B can serve by the profile's plans: the estimator's guard against a B too small.
-        self.capacity = PlannedCapacity(self.model, profile, settings.graph_mode)
+        self.capacity = PlannedCapacity(self.model, profile)
         self.adaptive = Adaptive(r, settings, self.model, capacity=self.capacity)
         #: What it counts for the metrics while they are on: published in its record at every
         #: heartbeat, exported by its supervisor (or by ``packrat-mq dispatch`` itself, :meth:`metrics_view`).
@@ -196,6 +196,7 @@ class Dispatcher:
                 log.info("model %s: serving generation %d, %s (B=%d%s)", self.model, d.generation,
                          d.configuration, d.batch, ", adaptive" if d.adaptive else "")
                 self.capacity.budgets = dict(d.budgets)
+                self.capacity.mode = d.graph_mode or "eager"
                 self.adaptive.serving(d.batch, d.generation, d.adaptive, d.predicted_latency_ms)
                 # Say so at once: the supervisor waits for this to retire the old instances.
                 self.heartbeat(self._state)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 
 import redis
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from packrat_mq.instances import Configuration, InstanceSpec
 from packrat_mq.keys import Keys
@@ -40,7 +40,8 @@ class Deployment(BaseModel):
     handler: str
     generation: int = 1
     node: str = ""
-    graph_mode: bool = False
+    #: The graph backend its instances serve with (``packrat_mq.graph``); None in eager mode.
+    graph_mode: str | None = None
     created: float = Field(default_factory=time.time)
     predicted_latency_ms: float | None = None
     #: Whether the dispatcher's estimator chooses B from the load (see ``dispatcher.estimation``).
@@ -52,6 +53,14 @@ class Deployment(BaseModel):
     #: The thread budget T its node plans with (a node's part); in the merge, node -> T.
     threads_budget: int | None = None
     budgets: dict[str, int] = Field(default_factory=dict)
+
+    @field_validator("graph_mode", mode="before")
+    @classmethod
+    def _legacy_graph_mode(cls, v: object) -> object:
+        # Documents written while graph mode was a boolean: true was TorchScript.
+        if isinstance(v, bool):
+            return "torchscript" if v else None
+        return None if v == "eager" else v
 
     @property
     def batch(self) -> int:

@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from packrat_mq import graph
+
 
 class BadRequest(ValueError):
     """Raised for one request whose input the model cannot take.
@@ -35,9 +37,14 @@ class Context:
     threads: int = 1
     cores: tuple[int, ...] = ()
     batch_size: int = 1
-    graph_mode: bool = False
+    #: The graph backend the model is served with (``packrat_mq.graph.BACKENDS``); None in eager
+    #: mode. True, as callers of the boolean setting wrote it, means the model's default backend.
+    graph_mode: str | None = None
     model_dir: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.graph_mode = graph.backend_of(self.graph_mode, self.model_name)
 
 
 @dataclass
@@ -67,7 +74,7 @@ class BaseHandler:
       ``bytes`` per request.
     """
 
-    #: Whether ``initialize`` may TorchScript-trace this handler's model.
+    #: Whether ``initialize`` may build this handler's model as a graph (``context.graph_mode``).
     traceable: bool = True
 
     def __init__(self) -> None:
@@ -98,11 +105,17 @@ class BaseHandler:
             self.model = self.prepare(self.load_model(context))
 
     def prepare(self, model: Any) -> Any:
-        """The model as served: in eval mode, and in graph mode traced at ``context.batch_size``."""
+        """The model as served: in eval mode, and in graph mode built at ``context.batch_size``.
+
+        Called again with the eager model when the instance is made to serve
+        another size (``workers.runtime.resize``); a handler whose inputs
+        depend on the mode decides them here, before the example batch.
+        """
         if hasattr(model, "eval"):
             model.eval()
-        if self.context is not None and self.context.graph_mode and self.traceable:
-            return self._trace(model)
+        backend = self.context.graph_mode if self.context is not None else None
+        if backend and self.traceable:
+            return self.build_graph(model, backend)
         return model
 
     def load_model(self, context: Context) -> Any:  # pragma: no cover - abstract
@@ -150,34 +163,12 @@ class BaseHandler:
         return self.postprocess(self.inference(self.preprocess(items)))
 
     # --- graph mode ---------------------------------------------------
-    def _trace(self, model: Any) -> Any:
-        """TorchScript trace + freeze on an example batch of the serving size."""
-        import torch
-
+    def build_graph(self, model: Any, backend: str) -> Any:
+        """``model`` built by ``backend`` (``packrat_mq.graph``) on an example batch of the serving size."""
         n = self.context.batch_size if self.context else 1
         batch = self.preprocess(self.example_batch(n))
-        args = tuple(batch.values()) if isinstance(batch, dict) else batch
-        if not isinstance(args, tuple):
-            args = (args,)
-        with torch.inference_mode(False), torch.no_grad():
-            traced = torch.jit.trace(model, args, strict=False, check_trace=False)
-            traced = torch.jit.freeze(traced.eval())
-        if isinstance(batch, dict):
-            return _KwargsToPositional(traced, list(batch.keys()))
-        return traced
-
-
-class _KwargsToPositional:
-    """Calls a traced module positionally with the keyword batch it was traced on."""
-
-    def __init__(self, traced: Any, names: list[str]) -> None:
-        self.traced, self.names = traced, names
-
-    def __call__(self, **kwargs: Any) -> Any:
-        return self.traced(*(kwargs[n] for n in self.names))
-
-    def eval(self) -> _KwargsToPositional:
-        return self
+        options = self.context.options if self.context else {}
+        return graph.build(model, batch, backend, options)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from packrat_mq import graph
 from packrat_mq.keys import Keys
 
 #: URL schemes of Redis Cluster: ``redis.cluster.RedisCluster`` connects, and a model's keys carry its hash tag.
@@ -41,7 +42,11 @@ class Settings(BaseSettings):
     reply_ttl_s: int = Field(
         default=3600, ge=1, description="Reply streams expire this long after their last reply."
     )
-    graph_mode: bool = Field(default=False, description="TorchScript trace + freeze the model.")
+    graph_mode: str = Field(
+        default="eager",
+        description="eager, graph (each model's default backend), torchscript, compile, export or aoti; "
+                    "true/false as before mean graph/eager.",
+    )
     heartbeat_s: float = Field(default=1.0, gt=0, description="How often instances and the dispatcher report.")
     node_grace_s: float = Field(
         default=10.0, gt=0,
@@ -111,6 +116,12 @@ class Settings(BaseSettings):
     def _empty_is_off(cls, v: object) -> object:
         # PACKRAT_METRICS_PORT= (set, empty) turns metrics off, as unset does (docker-compose).
         return None if isinstance(v, str) and not v.strip() else v
+
+    @field_validator("graph_mode", mode="before")
+    @classmethod
+    def _graph_mode(cls, v: object) -> str:
+        # A GraphModeError is a ValueError: pydantic reports it with the setting's name.
+        return graph.parse(v)
 
     @field_validator("log_level", mode="before")
     @classmethod

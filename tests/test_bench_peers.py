@@ -38,7 +38,7 @@ def test_ratios_pair_each_packrat_setup_with_its_torchserve_peer_within_a_round(
               "options": {"clients": 8, "rounds": 2, "warmup": 8, "measure": 25, "idle_measure": 15},
               "machine": {"cpu": "test cpu", "usable_cpus": 2, "peers_venv": {"torchserve": "0.12.0", "torch": "2"}}}
     table = markdown(result)
-    assert "| packrat-mq `up --graph --instances 2x8` (same layout), 50 ms wait | 200 / 400 |" in table
+    assert "| packrat-mq `up --graph torchscript --instances 2x8` (same layout), 50 ms wait | 200 / 400 |" in table
     assert "| packrat-layout / torchserve | 0.50 / 0.50 |" in table
     assert "failed: did not start" in text_tables(result)
 
@@ -65,7 +65,7 @@ def test_torchserve_handler_gives_the_zoo_models_answers(tmp_path) -> None:
 
     torch.manual_seed(0)
     zoo = load_handler("resnet50")
-    zoo.initialize(Context(model_name="resnet50", threads=1, batch_size=2, graph_mode=True))
+    zoo.initialize(Context(model_name="resnet50", threads=1, batch_size=2, graph_mode="torchscript"))
     items = [Input(id=str(i), data=protocol.decode_payload(protocol.NPY, p), content_type=protocol.NPY)
              for i, p in enumerate(payloads)]
     outcomes = run_batch(zoo, items).outcomes

@@ -202,8 +202,8 @@ def test_machine_info_counts_cores_with_the_core_topology(tmp_path):
 
 def test_profile_file_names():
     assert profile_filename("toy") == "toy.json"
-    assert profile_filename("toy", graph=True) == "toy.graph.json"
-    assert profile_path("toy", True, "somewhere") == Path("somewhere/toy.graph.json")
+    assert profile_filename("toy", "compile") == "toy.compile.json"
+    assert profile_path("toy", "torchscript", "somewhere") == Path("somewhere/toy.torchscript.json")
     assert profile_path("toy") == Path("profiles/toy.json")
     with pytest.raises(ProfileError, match="model name"):
         profile_filename("../toy")
@@ -211,14 +211,16 @@ def test_profile_file_names():
 
 def test_resolve_profile_path_by_mode(tmp_path):
     dirs = [tmp_path / "profiles"]
-    eager = make_profile().save(profile_path("toy", False, dirs[0]))
+    eager = make_profile().save(profile_path("toy", "eager", dirs[0]))
     assert resolve_profile_path("toy", dirs) == eager
-    with pytest.raises(ProfileError, match=r"no graph-mode profile for model 'toy' \(toy\.graph\.json\)"):
-        resolve_profile_path("toy", dirs, graph=True)  # the eager one is not taken instead
-    graph = make_profile(mode="graph").save(profile_path("toy", True, dirs[0]))
-    assert resolve_profile_path("toy", dirs, graph=True) == graph
+    with pytest.raises(ProfileError, match=r"no compile profile for model 'toy' \(toy\.compile\.json\)"):
+        resolve_profile_path("toy", dirs, mode="compile")  # the eager one is not taken instead
+    graph = make_profile(mode="compile").save(profile_path("toy", "compile", dirs[0]))
+    assert resolve_profile_path("toy", dirs, mode="compile") == graph
     assert resolve_profile_path("toy", dirs) == eager
-    assert resolve_profile_path(eager, dirs, graph=True) == eager  # a path is used as given
+    with pytest.raises(ProfileError, match="no torchscript profile"):
+        resolve_profile_path("toy", dirs, mode="torchscript")  # nor another backend's
+    assert resolve_profile_path(eager, dirs, mode="compile") == eager  # a path is used as given
 
 
 def test_resolve_profile_path(tmp_path, monkeypatch):
@@ -273,10 +275,10 @@ def test_import_default_output_by_mode(tmp_path, monkeypatch):
     csv_path.write_text("threads,batch_size,latency_ms\n1,1,10\n")
     monkeypatch.chdir(tmp_path)
     assert invoke("import", str(csv_path), "--model", "net").exit_code == 0
-    result = invoke("import", str(csv_path), "--model", "net", "--mode", "graph")
+    result = invoke("import", str(csv_path), "--model", "net", "--mode", "compile")
     assert result.exit_code == 0, result.output
     assert Profile.load(tmp_path / "profiles" / "net.json").mode == "eager"
-    assert Profile.load(tmp_path / "profiles" / "net.graph.json").mode == "graph"
+    assert Profile.load(tmp_path / "profiles" / "net.compile.json").mode == "compile"
 
 
 def test_import_errors_are_clean(tmp_path):

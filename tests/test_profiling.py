@@ -23,6 +23,7 @@ from optimizer.profiling.options import (
 )
 from optimizer.profiling.scheduler import _best_split, profile_model
 from optimizer.profiling.statistics import measure, t_quantile
+from packrat_mq import graph as graph_modes
 from packrat_mq.instances import Configuration
 from packrat_mq.settings import Settings
 from packrat_mq.topology import Topology
@@ -138,8 +139,9 @@ def test_echo_profile_and_resume(tmp_path: Path) -> None:
     assert len(Profile.load(out).entries) == 3
     # Graph mode is a different profile: refused in the same file.
     with pytest.raises(ProfilingError, match="eager profile"):
-        profile_model(_quick("echo", graph=True), out, progress=False)
-    assert default_output("echo", graph=True) == Path("profiles/echo.graph.json")
+        profile_model(_quick("echo", graph="torchscript"), out, progress=False)
+    assert default_output("echo", "torchscript") == Path("profiles/echo.torchscript.json")
+    assert _quick("echo", graph=True).mode == graph_modes.default_backend("echo")  # jobs queued as booleans
 
 
 def test_interrupt_keeps_points_and_rerun_resumes(tmp_path: Path) -> None:
@@ -388,11 +390,11 @@ def test_cli_run_and_enqueue(tmp_path: Path, r: redis.Redis, settings: Settings)
 @pytest.mark.slow
 def test_graph_mode_traces_each_batch_size(tmp_path: Path) -> None:
     pytest.importorskip("torch")
-    opts = _quick("tests.profiling_fixtures:TinyLinear", graph=True, max_iters=10)
-    report = profile_model(opts, tmp_path / "tiny.graph.json", progress=False)
+    opts = _quick("tests.profiling_fixtures:TinyLinear", graph="torchscript", max_iters=10)
+    report = profile_model(opts, tmp_path / "tiny.torchscript.json", progress=False)
     assert not report.failed, report.failed
-    profile = Profile.load(tmp_path / "tiny.graph.json")
-    assert profile.mode == "graph" and len(profile.entries) == 2
+    profile = Profile.load(tmp_path / "tiny.torchscript.json")
+    assert profile.mode == "torchscript" and len(profile.entries) == 2
 
 
 def test_cli_quick_profiles_the_optimizers_grid_with_the_quick_schedule(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from optimizer.planning.profile import MachineInfo, Profile, ProfileEntry, profile_path
+from packrat_mq import graph as graph_modes
 from packrat_mq.cli.serve import ServePlan, choose_configuration, model_and_handler, serving_options
 from packrat_mq.handler import ZOO
 
@@ -69,16 +70,20 @@ def _plan_only(plan: ServePlan) -> None:
                            "graph": plan.graph}))
 
 
-def _two_mode_profiles(root: Path, *, graph: bool = True) -> None:
-    """``profiles/toy.json`` (eager) and ``profiles/toy.graph.json``, which plan T=2, B=4 differently."""
+#: What ``--graph`` alone serves ``toy`` with.
+DEFAULT = graph_modes.default_backend("toy")
+
+
+def _two_mode_profiles(root: Path, *, graph: str | None = DEFAULT) -> None:
+    """``profiles/toy.json`` (eager) and ``profiles/toy.<graph>.json``, which plan T=2, B=4 differently."""
     eager = {(1, 2): 10.0, (2, 4): 12.0}  # two 1x2 instances win
     traced = {(1, 2): 10.0, (2, 4): 6.0}  # one 2x4 instance wins
-    for mode, points in (("eager", eager), ("graph", traced)):
-        if mode == "graph" and not graph:
+    for mode, points in (("eager", eager), (graph, traced)):
+        if mode is None:
             continue
         Profile(model="toy", mode=mode, entries=tuple(ProfileEntry(threads=t, batch=b, mean_ms=ms)
                                                       for (t, b), ms in points.items())
-                ).save(profile_path("toy", mode == "graph", root / "profiles"))
+                ).save(profile_path("toy", mode, root / "profiles"))
 
 
 def _plan(*args: str) -> tuple[dict, str]:
@@ -87,29 +92,52 @@ def _plan(*args: str) -> tuple[dict, str]:
     return json.loads(res.stdout), res.stderr
 
 
-@pytest.mark.parametrize("mode, name, config", [
-    ("--graph", "toy.graph.json", "2x4"),
-    ("--eager", "toy.json", "1x2,1x2"),
+@pytest.mark.parametrize("args, served, name, config", [
+    (["--graph"], DEFAULT, f"toy.{DEFAULT}.json", "2x4"),
+    (["--graph", "export"], "export", "toy.export.json", "2x4"),
+    (["--eager"], "eager", "toy.json", "1x2,1x2"),
+    ([], "eager", "toy.json", "1x2,1x2"),
 ])
 def test_up_plans_from_the_profile_of_its_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                               mode: str, name: str, config: str) -> None:
-    _two_mode_profiles(tmp_path)
+                                               args: list[str], served: str, name: str, config: str) -> None:
+    _two_mode_profiles(tmp_path, graph=None if served == "eager" else served)
     monkeypatch.chdir(tmp_path)
-    plan, note = _plan("-t", "2", "-b", "4", mode)
+    plan, note = _plan("-t", "2", "-b", "4", *args)
     assert Path(plan["profile"]).name == name and plan["configuration"] == config
-    assert plan["graph"] == (mode == "--graph")
+    assert plan["graph"] == served
     assert name in note  # the operator is told which file was used
-    plan, note = _plan("-i", "1x4", mode)  # by hand: the profile still splits partial batches
+    plan, note = _plan("-i", "1x4", *args)  # by hand: the profile still splits partial batches
     assert Path(plan["profile"]).name == name and name in note
 
 
+def test_the_graph_mode_setting_is_the_default_and_options_win(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    _two_mode_profiles(tmp_path, graph="export")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PACKRAT_GRAPH_MODE", "export")
+    assert _plan("-t", "2", "-b", "4")[0]["graph"] == "export"
+    assert _plan("-t", "2", "-b", "4", "--eager")[0]["graph"] == "eager"
+    monkeypatch.setenv("PACKRAT_GRAPH_MODE", "true")  # as the boolean setting was written
+    assert _plan("-t", "2", "-b", "4")[0]["graph"] == DEFAULT
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--graph", "jit"], "unknown graph mode 'jit'"),
+    (["--graph", "compile", "--eager"], "--graph and --eager exclude each other"),
+])
+def test_a_bad_graph_mode_is_one_usage_line(args: list[str], message: str) -> None:
+    res = CliRunner().invoke(_plan_only, ["--model", "toy", *args])
+    assert res.exit_code == 2 and message in res.output and "Traceback" not in res.output
+
+
 def test_graph_mode_does_not_plan_from_the_eager_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _two_mode_profiles(tmp_path, graph=False)
+    _two_mode_profiles(tmp_path, graph=None)
     monkeypatch.chdir(tmp_path)
     plan, note = _plan("-t", "2", "-b", "4", "--graph")
     # As with no profile at all: one instance with every thread, said out loud.
-    assert plan == {"configuration": "2x4", "profile": None, "graph": True}
-    assert "no toy.graph.json profile" in note and "toy.json is an eager-mode profile, not used" in note
+    assert plan == {"configuration": "2x4", "profile": None, "graph": DEFAULT}
+    assert f"no toy.{DEFAULT}.json profile" in note
+    assert f"toy.json is the eager profile, not used in {DEFAULT} mode" in note
     plan, _ = _plan("-i", "1x4", "--graph")
     assert plan["profile"] is None
     plan, _ = _plan("-t", "2", "-b", "4")
@@ -117,11 +145,12 @@ def test_graph_mode_does_not_plan_from_the_eager_profile(tmp_path: Path, monkeyp
 
 
 def _profile_from(root: Path, machine: MachineInfo | None, *, graph: bool = False) -> Path:
-    """``profiles/toy.json`` (or ``.graph.json``) measured on ``machine``."""
+    """``profiles/toy.json`` (or ``toy.<default backend>.json``) measured on ``machine``."""
     points = {(1, 2): 10.0, (2, 4): 12.0}
-    prof = Profile(model="toy", mode="graph" if graph else "eager", machine=machine,
+    mode = DEFAULT if graph else "eager"
+    prof = Profile(model="toy", mode=mode, machine=machine,
                    entries=tuple(ProfileEntry(threads=t, batch=b, mean_ms=ms) for (t, b), ms in points.items()))
-    return prof.save(profile_path("toy", graph, root / "profiles"))
+    return prof.save(profile_path("toy", mode, root / "profiles"))
 
 
 def _elsewhere() -> tuple[MachineInfo, MachineInfo]:

@@ -31,7 +31,7 @@ pytestmark = [
 ]
 
 
-def make(name: str, graph_mode: bool = False, **options) -> BaseHandler:
+def make(name: str, graph_mode: str | None = None, **options) -> BaseHandler:
     torch.manual_seed(0)
     handler = load_handler(name)
     handler.initialize(Context(model_name=name, threads=1, batch_size=2, graph_mode=graph_mode, options=options))
@@ -130,7 +130,7 @@ def test_vision_example_batch_and_formats(name, request):
 
 
 def test_resnet50_graph_mode_matches_eager(resnet50):
-    traced = make("resnet50", graph_mode=True)
+    traced = make("resnet50", graph_mode="torchscript")
     assert type(traced.model).__name__ == "RecursiveScriptModule"
     batch = resnet50.example_batch(2)
     assert close(values(batch, traced), values(batch, resnet50))
@@ -184,8 +184,8 @@ def test_bert_fixed_length_batches(bert):
 
 
 def test_bert_graph_mode_matches_eager(bert):
-    traced = make("bert", graph_mode=True)
-    assert type(traced.model.traced).__name__ == "RecursiveScriptModule"
+    traced = make("bert", graph_mode="torchscript")
+    assert type(traced.model.graph).__name__ == "RecursiveScriptModule"
     expected = values(BERT_GOOD, bert)
     assert close(values(BERT_GOOD, traced), expected)
     assert close(values(BERT_GOOD[:1], traced), expected[:1])
@@ -226,7 +226,7 @@ def test_gpt2_answer_does_not_depend_on_padding(gpt2):
 
 
 def test_gpt2_graph_mode_matches_eager(gpt2):
-    traced = make("gpt2", graph_mode=True)
+    traced = make("gpt2", graph_mode="torchscript")
     items = [text("a", "Hello"), js("b", {"text": "z" * 300})]
     assert close(values(items, traced), values(items, gpt2), 1e-6)
 
@@ -260,7 +260,7 @@ def test_minilm_formats_and_errors(minilm):
 
 
 def test_minilm_graph_mode_matches_eager(minilm):
-    traced = make("minilm", graph_mode=True)
+    traced = make("minilm", graph_mode="torchscript")
     assert traced.preprocess([text("a", "short")])["input_ids"].shape == (1, 128)
     assert embed(traced, SENTENCES) == pytest.approx(embed(minilm, SENTENCES), abs=1e-4)
     assert embed(traced, SENTENCES[:1]) == pytest.approx(embed(minilm, SENTENCES[:1]), abs=1e-4)

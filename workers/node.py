@@ -30,7 +30,7 @@ import redis
 from pydantic import BaseModel, Field
 
 from optimizer.planning.selection import choose, find_profile
-from packrat_mq import control
+from packrat_mq import control, graph
 from packrat_mq.exposition import ModelView
 from packrat_mq.handler import load_handler
 from packrat_mq.instances import Configuration
@@ -101,11 +101,11 @@ class NodePool:
         budget = min(reg.threads or free.max_cores_per_socket, free.max_cores_per_socket)
         if budget < 1:
             raise AllocationError(f"node {self.node} has no free core for {reg.model}")
-        graph = self.settings.graph_mode
-        profile = find_profile(reg.model, graph=graph)
+        mode = graph.resolve(self.settings.graph_mode, reg.handler)
+        profile = find_profile(reg.model, mode=mode)
         # By hand, or the optimizer's plan for B (1 when adaptive) within the cores this model may use.
         config = (Configuration.parse(reg.instances) if reg.instances else
-                  choose(reg.model, budget, reg.batch or 1, profile, graph=graph, handler=reg.handler).configuration)
+                  choose(reg.model, budget, reg.batch or 1, profile, mode=mode, handler=reg.handler).configuration)
         sup = Supervisor(self.r, self.settings, self.url, reg.model, config, handler=reg.handler,
                          options=reg.options, profile=profile, node=self.node, topology=free,
                          adaptive=reg.adaptive and not reg.instances, threads_budget=budget,

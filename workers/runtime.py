@@ -10,8 +10,9 @@ import os
 import sys
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
+from packrat_mq import graph
 from packrat_mq.handler import BaseHandler, Context, load_handler, run_batch
 from packrat_mq.topology import format_cpulist
 
@@ -30,8 +31,17 @@ class RuntimeSpec(BaseModel):
     #: Pin to ``cpus``; False when they are labels of a simulated machine
     #: (``up --simulate-cores``), which this one may not have.
     pin: bool = True
-    graph_mode: bool = False
+    #: The graph backend (``packrat_mq.graph``); None in eager mode. ``graph`` (or True, as the
+    #: boolean setting was written) is resolved to the handler's default backend.
+    graph_mode: str | None = None
     options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_graph_mode(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "graph_mode" in data:
+            data = {**data, "graph_mode": graph.backend_of(data["graph_mode"], data.get("handler"))}
+        return data
 
     def context(self) -> Context:
         return Context(
@@ -123,13 +133,16 @@ def warm(handler: BaseHandler, batch: int) -> None:
     run_batch(handler, items)
 
 
-def resize(handler: BaseHandler, eager: Any, batch: int, graph_mode: bool) -> None:
-    """Make a loaded instance serve ``batch``: in graph mode, trace ``eager`` again at that size.
+def resize(handler: BaseHandler, eager: Any, batch: int, graph_mode: str | bool | None) -> None:
+    """Make a loaded instance serve ``batch``: in graph mode, build ``eager`` again at that size.
+
+    ``graph_mode`` is a mode as :func:`packrat_mq.graph.resolve` takes it
+    (``eager``, a backend, ``graph`` or a boolean for the default backend).
 
     A served instance is traced at its own batch size; the profiler measures
     many sizes from weights loaded once, and this is how it gets each one.
     """
     assert handler.context is not None
     handler.context.batch_size = batch
-    handler.context.graph_mode = graph_mode
+    handler.context.graph_mode = graph.backend_of(graph_mode, handler.context.model_name)
     handler.model = handler.prepare(eager)

@@ -32,7 +32,7 @@ import redis
 
 from dispatcher.spec import DispatcherSpec
 from optimizer.planning.selection import choose
-from packrat_mq import control
+from packrat_mq import control, graph
 from packrat_mq.backoff import Backoff
 from packrat_mq.connection import check_cluster
 from packrat_mq.deployment import Deployment, InstanceRecord, node_share, publish_part, withdraw_part
@@ -180,6 +180,9 @@ class Supervisor:
         self.url = url
         self.model = check_model_name(model)
         self.handler = handler or model
+        #: The concrete mode its instances serve in: eager, or the backend PACKRAT_GRAPH_MODE names
+        #: (``graph``: the handler's default backend).
+        self.graph_mode = graph.resolve(settings.graph_mode, self.handler)
         self.options = dict(options or {})
         self.profile = str(profile) if profile else None
         self.configuration = configuration
@@ -231,7 +234,7 @@ class Supervisor:
                                 batch=a.batch, cpus=list(a.cpus), socket=a.socket, node=self.node)
         spec = WorkerSpec(url=self.url, settings=self.settings, model=self.model, handler=self.handler,
                           instance_id=record.id, threads=a.threads, batch=a.batch, cpus=list(a.cpus),
-                          socket=a.socket, pin=a.pin, graph_mode=self.settings.graph_mode, options=self.options,
+                          socket=a.socket, pin=a.pin, graph_mode=self.graph_mode, options=self.options,
                           parent_pid=os.getpid())
         child = Child(name=f"instance {record.id}", module="workers.worker", spec_json=spec.model_dump_json(),
                       record_key=self.keys.instance(self.model, record.id), record=InstanceState,
@@ -266,7 +269,7 @@ class Supervisor:
             handler=self.handler,
             generation=self.generation,
             node=self.node,
-            graph_mode=self.settings.graph_mode,
+            graph_mode=self.graph_mode,
             predicted_latency_ms=self.configuration.predicted_latency_ms,
             adaptive=self.adaptive,
             instances=[i.record for i in self.instances],
@@ -364,7 +367,7 @@ class Supervisor:
     # --- reconfiguring --------------------------------------------------
     def _plan(self, batch: int) -> Configuration:
         """The optimizer's configuration for B=``batch`` within the thread budget (as ``up`` plans)."""
-        return choose(self.model, self.threads_budget, batch, self.profile, graph=self.settings.graph_mode,
+        return choose(self.model, self.threads_budget, batch, self.profile, mode=self.graph_mode,
                       handler=self.handler).configuration
 
     def _share(self, batch: int) -> int:
@@ -607,7 +610,7 @@ class Supervisor:
                                 socket=cores[0].socket, node=self.node)
         spec = WorkerSpec(url=self.url, settings=self.settings, model=self.model, handler=self.handler,
                           instance_id=record.id, threads=1, batch=1, cpus=cpus, socket=record.socket, pin=pin,
-                          graph_mode=self.settings.graph_mode, options=self.options, parent_pid=os.getpid(),
+                          graph_mode=self.graph_mode, options=self.options, parent_pid=os.getpid(),
                           spare=True)
         child = Child(name=f"instance {record.id}", module="workers.worker", spec_json=spec.model_dump_json(),
                       record_key=self.keys.instance(self.model, record.id), record=InstanceState,

@@ -37,6 +37,7 @@ import redis
 from packrat_mq import logs, protocol, replies
 from packrat_mq.backoff import Backoff
 from packrat_mq.connection import check_cluster, connect
+from packrat_mq.graph import GraphModeError
 from packrat_mq.handler import BaseHandler, Input, Outcome, run_batch
 from packrat_mq.keys import DISPATCHER_GROUP, WORKER_GROUP
 from packrat_mq.metrics import WORKER_HISTOGRAMS, Tally, count_replies
@@ -427,7 +428,13 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure(spec.settings, f"worker {spec.instance_id}")
     worker = Worker(connect(spec.url), spec)
     worker.register("starting")
-    worker.handler = runtime.start(spec)
+    try:
+        worker.handler = runtime.start(spec)
+    except GraphModeError as exc:
+        # The model and the backend asked for do not go together: one line that says so and what
+        # to choose instead (a traceback would only bury it), and no start.
+        log.error("instance %s cannot start: %s", spec.instance_id, exc)
+        return 1
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())
     signal.signal(signal.SIGINT, lambda *_: worker.stop())
     worker.run()

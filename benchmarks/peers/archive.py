@@ -3,7 +3,7 @@
 ``torch-model-archiver`` (from the peers environment) packs
 ``benchmarks/peers/ts_handler.py``, the TorchScript file written by
 ``benchmarks.peers.export`` (run in the project's environment, so the model is
-the one ``packrat-mq up --graph`` traces), the class names written beside it
+the one ``packrat-mq up --graph torchscript`` traces), the class names written beside it
 (``index_to_name.json``) and a ``model-config.yaml`` with the
 batch settings: ``batchSize`` is B, ``maxBatchDelay`` the batch wait, and one
 worker (``minWorkers = maxWorkers = 1``). The archive is a directory

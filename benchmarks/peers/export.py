@@ -1,6 +1,6 @@
 """The TorchScript ResNet-50 that TorchServe serves, made by packrat-mq's own zoo handler.
 
-``packrat-mq up --graph`` builds torchvision's ResNet-50 (``weights=None``),
+``packrat-mq up --graph torchscript`` builds torchvision's ResNet-50 (``weights=None``),
 traces it on an example batch of the instance's size and freezes it
 (``BaseHandler.prepare``). This module does exactly that through the same
 handler and saves the result with ``torch.jit.save``, so the file TorchServe
@@ -30,10 +30,11 @@ CATEGORIES = "index_to_name.json"
 
 
 def export(path: Path, *, model: str = "resnet50", batch: int = 8, seed: int = 0) -> Path:
-    """Trace and freeze ``model`` as ``up --graph`` does for an instance of ``batch``; save it to ``path``."""
+    """Trace and freeze ``model`` as ``up --graph torchscript`` does for an instance of ``batch``; save it to ``path``."""
     torch.manual_seed(seed)
     handler = load_handler(model)
-    handler.initialize(Context(model_name=model, threads=torch.get_num_threads(), batch_size=batch, graph_mode=True))
+    handler.initialize(Context(model_name=model, threads=torch.get_num_threads(), batch_size=batch,
+                                graph_mode="torchscript"))
     if not isinstance(handler.model, torch.jit.ScriptModule):
         raise TypeError(f"{model}'s graph mode did not give a TorchScript module ({type(handler.model).__name__})")
     path.parent.mkdir(parents=True, exist_ok=True)

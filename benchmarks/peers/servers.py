@@ -5,7 +5,7 @@
   working directory and its pid file and worker sockets into the temporary
   directory, which is pointed there too, so two runs on one machine never share
   them), stopped with ``torchserve --stop``.
-- :class:`PackratUp`: ``packrat-mq up --graph`` on a redis-server of its own
+- :class:`PackratUp`: ``packrat-mq up --graph torchscript`` on a redis-server of its own
   (the embedded one, started here so that its life is this object's), stopped
   with Ctrl-C (SIGINT), which drains as ``up`` always does.
 
@@ -196,7 +196,8 @@ class PackratUp:
         self.killed: list[int] = []
 
     def command(self, url: str) -> list[str]:
-        return [sys.executable, "-m", "packrat_mq", "up", "--model", self.model, "--graph", *self.args,
+        return [sys.executable, "-m", "packrat_mq", "up", "--model", self.model, "--graph", "torchscript",
+                *self.args,
                 "--batch-timeout-ms", f"{self.batch_timeout_ms:g}", "--redis-url", url, "--prefix", "peers",
                 "--exit-with-parent"]
 

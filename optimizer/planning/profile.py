@@ -44,6 +44,7 @@ from pydantic import (
     model_validator,
 )
 
+from packrat_mq.graph import MODES
 from packrat_mq.instances import Configuration, ConfigurationError
 from packrat_mq.keys import check_model_name
 from packrat_mq.topology import DEFAULT_SYSFS_CPU, Topology, parse_cpulist
@@ -55,6 +56,12 @@ FORMAT_VERSION = 3
 
 #: What surrounded each instance while it was timed (see the module docstring).
 Placement = Literal["co-located", "isolated"]
+
+#: How the model ran when measured: eager, or a graph backend (``packrat_mq.graph.MODES``).
+#: Files written before the backends had names say ``graph``, which was TorchScript.
+Mode = Literal["eager", "torchscript", "compile", "export", "aoti"]
+#: Where TorchScript profiles were written before the backends had names (``--graph`` was TorchScript).
+LEGACY_TORCHSCRIPT = "{model}.graph.json"
 
 #: The largest batch size a profile measures unless told otherwise (``profile run --max-batch``).
 DEFAULT_MAX_BATCH = 32
@@ -310,7 +317,7 @@ class Profile(BaseModel):
 
     format_version: int = FORMAT_VERSION
     model: str
-    mode: Literal["eager", "graph"] = "eager"
+    mode: Mode = "eager"
     #: ``isolated`` for files that do not say (format 1, CSV imports by default).
     placement: Placement = "isolated"
     machine: MachineInfo | None = None
@@ -334,6 +341,11 @@ class Profile(BaseModel):
         # Read in any known version, held (and saved again) in the current one:
         # what an older version left out has its default (format 1: isolated).
         return FORMAT_VERSION
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _legacy_mode(cls, v: object) -> object:
+        return "torchscript" if v == "graph" else v
 
     @field_validator("model")
     @classmethod
@@ -402,7 +414,7 @@ class Profile(BaseModel):
         path: str | os.PathLike[str],
         model: str | None = None,
         *,
-        mode: Literal["eager", "graph"] = "eager",
+        mode: Mode = "eager",
         duplicates: Literal["mean", "error"] = "mean",
         placement: Placement = "isolated",
     ) -> Profile:
@@ -612,23 +624,28 @@ def _explain(exc: ValidationError, data: object = None) -> str:
     return "; ".join(lines)
 
 
-def profile_filename(model: str, graph: bool = False) -> str:
-    """A profile's file name: ``<model>.json`` (eager) or ``<model>.graph.json`` (graph mode).
+def profile_filename(model: str, mode: str = "eager") -> str:
+    """A profile's file name: ``<model>.json`` (eager) or ``<model>.<backend>.json`` (a graph backend).
 
     The one naming rule for profile files: the profiler, ``profile import`` and
     every lookup (``resolve_profile_path``) use it. ``model`` is the profile's
-    model name (``ProfileError`` if it cannot be one).
+    model name (``ProfileError`` if it cannot be one), ``mode`` one of
+    :data:`MODES`. A TorchScript profile written before the backends had
+    names is ``<model>.graph.json`` (:data:`LEGACY_TORCHSCRIPT`), which
+    lookups still find.
     """
     try:
         check_model_name(model)
     except ValueError as exc:
         raise ProfileError(str(exc)) from None
-    return f"{model}.graph.json" if graph else f"{model}.json"
+    if mode not in MODES:
+        raise ProfileError(f"unknown profile mode {mode!r}: one of {', '.join(MODES)}")
+    return f"{model}.json" if mode == "eager" else f"{model}.{mode}.json"
 
 
-def profile_path(model: str, graph: bool = False, directory: str | os.PathLike[str] = "profiles") -> Path:
-    """``<directory>/<model>.json``, or ``<directory>/<model>.graph.json`` in graph mode."""
-    return Path(directory) / profile_filename(model, graph)
+def profile_path(model: str, mode: str = "eager", directory: str | os.PathLike[str] = "profiles") -> Path:
+    """``<directory>/<model>.json``, or ``<directory>/<model>.<backend>.json`` for a graph backend."""
+    return Path(directory) / profile_filename(model, mode)
 
 
 def default_profile_dirs() -> list[Path]:
@@ -642,13 +659,14 @@ def default_profile_dirs() -> list[Path]:
 
 
 def resolve_profile_path(
-    name_or_path: str | os.PathLike[str], search_dirs: Sequence[Path] | None = None, *, graph: bool = False
+    name_or_path: str | os.PathLike[str], search_dirs: Sequence[Path] | None = None, *, mode: str = "eager"
 ) -> Path:
     """An existing file path as given, else a model name resolved to its profile in ``search_dirs``.
 
-    A model name finds ``profiles/<model>.json``, or ``profiles/<model>.graph.json``
-    with ``graph=True`` (see ``profile_filename``); the other mode's file is
-    never taken instead. A path is used as given, whatever mode it records.
+    A model name finds ``profiles/<model>.json``, or ``profiles/<model>.<backend>.json``
+    for a graph backend (see ``profile_filename``; for ``torchscript`` also the
+    older ``<model>.graph.json``); another mode's file is never taken instead.
+    A path is used as given, whatever mode it records.
     """
     path = Path(name_or_path)
     if path.is_file():
@@ -658,14 +676,16 @@ def resolve_profile_path(
     looks_like_path = os.sep in text or "/" in text or text.endswith(".json")
     if looks_like_path:
         raise ProfileError(f"no profile file at {path}")
-    filename = profile_filename(text, graph)
-    for d in dirs:
-        candidate = d / filename
-        if candidate.is_file():
-            return candidate
+    filename = profile_filename(text, mode)
+    names = [filename] + ([LEGACY_TORCHSCRIPT.format(model=text)] if mode == "torchscript" else [])
+    for name in names:
+        for d in dirs:
+            candidate = d / name
+            if candidate.is_file():
+                return candidate
     known = sorted({p.stem for d in dirs if d.is_dir() for p in d.glob("*.json")})
     raise ProfileError(
-        f"no {'graph-mode ' if graph else ''}profile for model {text!r} ({filename}) "
+        f"no {'' if mode == 'eager' else mode + ' '}profile for model {text!r} ({filename}) "
         f"in {', '.join(str(d) for d in dirs)}"
         + (f" (available: {', '.join(known)})" if known else " (no profiles there yet)")
     )

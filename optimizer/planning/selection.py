@@ -6,8 +6,9 @@ optimizer's choice from the model's profile; else, with no profile, one
 instance with every thread (the TorchServe default), said out loud.
 
 The profile is the one of the mode served in (``<model>.json`` eager,
-``<model>.graph.json`` graph mode): latencies measured in one mode say little
-about the other, so a profile of the other mode is not used.
+``<model>.<backend>.json`` for a graph backend, e.g. ``resnet50.compile.json``):
+latencies measured in one mode say little about another, so a profile of
+another mode is not used.
 
 A profile measured on another kind of machine (another CPU model, another
 number of cores per socket) is still used, with a warning
@@ -29,6 +30,7 @@ from pathlib import Path
 
 from optimizer.planning.profile import (
     DEFAULT_MAX_BATCH,
+    MODES,
     Calibration,
     MachineInfo,
     Profile,
@@ -52,14 +54,14 @@ class Choice:
     warning: str | None = None
 
 
-def find_profile(model: str, profile: str | Path | None = None, *, graph: bool = False) -> Path | None:
+def find_profile(model: str, profile: str | Path | None = None, *, mode: str = "eager") -> Path | None:
     """The profile to use: ``profile`` if given (``ProfileError`` if missing), else the model's, if any.
 
-    The model's profile is the one of the mode served in: ``<model>.graph.json``
-    when ``graph``, else ``<model>.json``.
+    The model's profile is the one of the mode served in (``mode``: ``eager``
+    or a graph backend): ``<model>.<backend>.json``, else ``<model>.json``.
     """
     try:
-        return resolve_profile_path(profile or model, graph=graph)
+        return resolve_profile_path(profile or model, mode=mode)
     except ProfileError:
         if profile:
             raise
@@ -67,25 +69,28 @@ def find_profile(model: str, profile: str | Path | None = None, *, graph: bool =
 
 
 def choose(model: str, threads: int, batch: int, profile: str | Path | None = None, *,
-           graph: bool = False, handler: str | None = None) -> Choice:
+           mode: str = "eager", handler: str | None = None) -> Choice:
     """The configuration for (T, B); raises ``ProfileError`` for a named profile that is missing.
 
     ``InfeasibleError`` (a ``ValueError``) propagates when the profile cannot
     cover B within T. ``handler`` (default ``model``) is what the commands
     this recommends profile.
     """
-    path = find_profile(model, profile, graph=graph)
+    path = find_profile(model, profile, mode=mode)
     if path is None:
         config = Configuration.uniform(1, threads, batch)
-        other = find_profile(model, graph=not graph)
-        unused = (f"; {other} is {'an eager' if graph else 'a graph'}-mode profile, not used in "
-                  f"{'graph' if graph else 'eager'} mode" if other is not None else "")
-        command = f"packrat-mq profile run --model {model}" + (" --graph" if graph else "")
+        others = [(m, p) for m in MODES if m != mode and (p := find_profile(model, mode=m)) is not None]
+        if len(others) == 1:
+            unused = f"; {others[0][1]} is the {others[0][0]} profile, not used in {mode} mode"
+        else:
+            unused = (f"; {', '.join(f'{p} ({m})' for m, p in others)} are other modes' profiles, not used in "
+                      f"{mode} mode" if others else "")
+        command = f"packrat-mq profile run --model {model}" + graph_option(mode)
         return Choice(config, "default", None,
-                      f"no {profile_filename(model, graph)} profile for {model!r}{unused}: one instance with "
+                      f"no {profile_filename(model, mode)} profile for {model!r}{unused}: one instance with "
                       f"{threads} threads and batch {batch} (run `{command}` to let the optimizer choose)")
     loaded = Profile.load(path)
-    warning = machine_warning(loaded, path, handler or model, graph=graph, threads=threads, batch=batch)
+    warning = machine_warning(loaded, path, handler or model, mode=mode, threads=threads, batch=batch)
     calibrated = best_calibrated(loaded, threads, batch)
     if calibrated is not None:
         config, row = calibrated
@@ -102,7 +107,7 @@ def choose(model: str, threads: int, batch: int, profile: str | Path | None = No
                   f"{loaded.placement} profile)", warning)
 
 
-def machine_warning(profile: Profile, path: Path, model: str, *, graph: bool = False,
+def machine_warning(profile: Profile, path: Path, model: str, *, mode: str = "eager",
                     threads: int | None = None, batch: int | None = None,
                     here: MachineInfo | None = None) -> str | None:
     """What to tell the operator when ``profile`` was measured on another kind of machine; None if not.
@@ -118,7 +123,7 @@ def machine_warning(profile: Profile, path: Path, model: str, *, graph: bool = F
     differences = profile.machine.differences(here)
     if not differences:
         return None
-    command = quick_profile_command(model, path, graph=graph, threads=threads, batch=batch)
+    command = quick_profile_command(model, path, mode=mode, threads=threads, batch=batch)
     return (
         f"warning: {path} was measured on another machine: {'; '.join(differences)} (profile vs this "
         f"machine). Its latencies may not hold here; serving from it anyway. To profile this machine "
@@ -126,7 +131,12 @@ def machine_warning(profile: Profile, path: Path, model: str, *, graph: bool = F
     )
 
 
-def quick_profile_command(model: str, output: Path | None = None, *, graph: bool = False,
+def graph_option(mode: str) -> str:
+    """The command-line option that selects ``mode`` (`` --graph compile``; nothing for eager)."""
+    return "" if mode == "eager" else f" --graph {mode}"
+
+
+def quick_profile_command(model: str, output: Path | None = None, *, mode: str = "eager",
                           threads: int | None = None, batch: int | None = None) -> str:
     """``packrat-mq profile run --model M --quick ...``: the points the optimizer needs for (T, B).
 
@@ -137,8 +147,8 @@ def quick_profile_command(model: str, output: Path | None = None, *, graph: bool
     another machine do not resume.
     """
     parts = ["packrat-mq profile run", f"--model {model}", "--quick"]
-    if graph:
-        parts.append("--graph")
+    if mode != "eager":
+        parts.append(f"--graph {mode}")
     if threads is not None and threads < Topology.detect().max_cores_per_socket:
         parts.append(f"--threads-max {threads}")
     if batch is not None and batch > DEFAULT_MAX_BATCH:

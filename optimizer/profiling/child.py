@@ -10,8 +10,8 @@ placed that copy on. Each child (:func:`main`) starts the model with
 the handler, size torch, initialise), then answers one JSON line on stdout
 per JSON request line on stdin:
 
-- ``{"op": "prepare", "batch": b}``: make the instance serve ``b`` (in graph
-  mode, trace again at ``b``), build ``example_batch(b)`` and run it once
+- ``{"op": "prepare", "batch": b}``: make the instance serve ``b`` (in a graph
+  mode, build the graph again at ``b``), build ``example_batch(b)`` and run it once
   through the framework's contract check; answers ``prepared`` with the
   seconds that took.
 - ``{"op": "run"}``: run ``handler.handle(items)`` once (preprocess +
@@ -31,11 +31,11 @@ over the rounds. One copy (isolated placement) is the same protocol.
 Within one ``t`` a new batch size only changes input shapes, and warm-up
 iterations at that size absorb the new shapes' one-off costs (oneDNN
 primitives, allocator growth). Loading a model (torch import, weights, and in
-graph mode a trace) costs 1-10 s, often more than measuring one (t, b), so a
+graph mode a trace) costs 1-10 s (a compiling backend tens of seconds), often more than measuring one (t, b), so a
 group per (t, b) would multiply the load cost by the number of batch sizes for
-nothing. The children load in eager mode and, in graph mode, re-trace at each
-``b`` from those weights (:func:`workers.runtime.resize`), because a served
-instance is traced at its own batch size.
+nothing. The children load in eager mode and, in a graph mode, build the graph
+again at each ``b`` from those weights (:func:`workers.runtime.resize`),
+because a served instance is built at its own batch size.
 """
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ class ChildSpec(BaseModel):
     def for_threads(
         cls, options: ProfilingOptions, threads: int, cpus: Sequence[int], socket: int = 0, copy: int = 0
     ) -> ChildSpec:
-        """Load in eager mode at the first batch size; graph mode traces per batch size later."""
+        """Load in eager mode at the first batch size; a graph mode builds per batch size later."""
         return cls(
             runtime=RuntimeSpec(
                 model=options.model,
@@ -90,7 +90,7 @@ class ChildSpec(BaseModel):
                 batch=options.batches[0],
                 cpus=list(cpus),
                 socket=socket,
-                graph_mode=False,
+                graph_mode=None,
                 options=dict(options.options),
             ),
             options=options,
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = ChildSpec.model_validate_json(read_spec(argv))
         started = time.perf_counter()
         handler = runtime.start(spec.runtime, warm_up=False)
-        eager = handler.model  # graph mode traces each batch size from these weights
+        eager = handler.model  # a graph mode builds each batch size from these weights
         load_s = time.perf_counter() - started
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which shows it
         send({"event": "error", "message": f"{type(exc).__name__}: {exc}"})

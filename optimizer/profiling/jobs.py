@@ -33,7 +33,7 @@ SERIALIZER = "rq.serializers.JSONSerializer"
 
 
 def result_name(options: ProfilingOptions) -> str:
-    """Model part of the Redis result key: ``<model>`` or ``<model>.graph``."""
+    """Model part of the Redis result key: ``<model>`` or ``<model>.<backend>``."""
     return profile_filename(profile_name(options.model), options.graph).removesuffix(".json")
 
 
@@ -59,8 +59,8 @@ def profile_job(
 
     ``options`` is :class:`ProfilingOptions` as a JSON dict (the jobs' serializer
     carries no Python objects). The Redis key is
-    ``Keys(prefix).profile_result(model, node)`` (model ``<model>.graph`` in
-    graph mode), ``node`` being the node the job was queued for (default: the
+    ``Keys(prefix).profile_result(model, node)`` (model ``<model>.<backend>`` in
+    a graph mode), ``node`` being the node the job was queued for (default: the
     host it runs on), so several nodes' profiles of one model sit side by
     side. The result, a JSON dict, also says which host it ran on.
     """

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from optimizer.planning.profile import DEFAULT_MAX_BATCH, Placement, ProfileError, profile_path
+from optimizer.planning.profile import DEFAULT_MAX_BATCH, Mode, Placement, ProfileError, profile_path
+from packrat_mq import graph as graph_modes
 from packrat_mq.topology import Topology
 
 
@@ -50,7 +51,9 @@ class ProfilingOptions(BaseModel):
     #: None means the allowed physical cores of the largest socket.
     threads_max: int | None = Field(default=None, ge=1)
     batches: list[int] = Field(default_factory=lambda: power_of_two_batches(DEFAULT_MAX_BATCH))
-    graph: bool = False
+    #: The mode measured: ``eager`` or a graph backend. ``graph`` (or true, as jobs queued before
+    #: the backends had names say) is the model's default backend.
+    graph: Mode = "eager"
     #: ``co-located``: ``T // t`` copies of ``(t, b)`` run together, the slowest
     #: is the sample; ``isolated``: one instance alone.
     placement: Placement = "co-located"
@@ -66,6 +69,16 @@ class ProfilingOptions(BaseModel):
     #: A child that says nothing for this long is killed.
     child_timeout_s: float = Field(default=1800.0, gt=0)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_graph(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "graph" in data:
+            try:
+                data = {**data, "graph": graph_modes.resolve(data["graph"], data.get("model"))}
+            except graph_modes.GraphModeError as exc:
+                raise ValueError(str(exc)) from None
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> ProfilingOptions:
         if self.max_iters < self.min_iters:
@@ -79,8 +92,8 @@ class ProfilingOptions(BaseModel):
         return self
 
     @property
-    def mode(self) -> Literal["eager", "graph"]:
-        return "graph" if self.graph else "eager"
+    def mode(self) -> Mode:
+        return self.graph
 
     def cores(self, topology: Topology) -> int:
         """T: the cores profiled, ``threads_max`` or the allowed physical cores of the largest socket."""
@@ -103,10 +116,10 @@ def profile_name(model: str) -> str:
     return model.replace(":", ".")
 
 
-def default_output(model: str, graph: bool = False, directory: str | os.PathLike[str] = "profiles") -> Path:
-    """``profiles/<model>.json`` (eager) or ``profiles/<model>.graph.json``, named as every profile is."""
+def default_output(model: str, mode: str = "eager", directory: str | os.PathLike[str] = "profiles") -> Path:
+    """``profiles/<model>.json`` (eager) or ``profiles/<model>.<backend>.json``, named as every profile is."""
     try:
-        return profile_path(profile_name(model), graph, directory)
+        return profile_path(profile_name(model), mode, directory)
     except ProfileError as exc:
         raise ProfilingError(f"cannot name the profile of {model!r}: {exc}") from None
 

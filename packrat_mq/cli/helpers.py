@@ -13,8 +13,10 @@ from typing import Any
 
 import click
 import redis
+from pydantic import ValidationError
 from redis.exceptions import RedisClusterException
 
+from packrat_mq import graph as graph_modes
 from packrat_mq.connection import (
     EmbeddedRedis,
     NoRedisError,
@@ -60,11 +62,49 @@ def redis_options(func: Callable[..., Any] | None = None, *, check: bool = False
             remember_url(redis_url)
         try:
             settings = Settings(**overrides)
+        except ValidationError as exc:
+            raise click.ClickException(scrub(settings_error(exc), redis_url)) from None
         except ValueError as exc:
             raise click.ClickException(scrub(str(exc), redis_url)) from None
         if check and (settings.redis_url or not embedded_ok):
             require_redis(resolve_or_fail(settings))
         return func(*args, settings=settings, **kwargs)
+
+    return wrapper
+
+
+def settings_error(exc: ValidationError) -> str:
+    """A bad setting in one line, named as its environment variable: ``PACKRAT_GRAPH_MODE: unknown ...``."""
+    parts = []
+    for error in exc.errors():
+        name = "PACKRAT_" + "_".join(str(p) for p in error["loc"]).upper() if error["loc"] else "settings"
+        parts.append(f"{name}: {error['msg'].removeprefix('Value error, ')}")
+    return "; ".join(parts)
+
+
+def graph_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Add ``--graph [BACKEND]`` and ``--eager``; the command receives ``graph``: the mode asked for, or None.
+
+    ``--graph`` alone is ``graph`` (the model's default backend,
+    :func:`packrat_mq.graph.default_backend`), ``--graph BACKEND`` that
+    backend, ``--eager`` ``eager``; neither is None, and the command falls
+    back on ``PACKRAT_GRAPH_MODE``. Resolving ``graph`` needs the model, so
+    the command does it (:func:`packrat_mq.graph.resolve`).
+    """
+
+    @click.option("--graph", "graph", is_flag=False, flag_value="graph", default=None, metavar="[BACKEND]",
+                  help=f"Graph mode: alone, the model's default backend (measured fastest); or one of "
+                       f"{', '.join(graph_modes.BACKENDS)}. Default: PACKRAT_GRAPH_MODE, else eager.")
+    @click.option("--eager", is_flag=True, default=False, help="Serve the model as loaded, no graph (the default).")
+    @functools.wraps(func)
+    def wrapper(*args: Any, graph: str | None, eager: bool, **kwargs: Any) -> Any:
+        if eager and graph is not None:
+            raise click.UsageError("--graph and --eager exclude each other: give one")
+        try:
+            choice = "eager" if eager else (graph_modes.parse(graph) if graph is not None else None)
+        except graph_modes.GraphModeError as exc:
+            raise click.BadParameter(str(exc), param_hint="--graph") from None
+        return func(*args, graph=choice, **kwargs)
 
     return wrapper
 

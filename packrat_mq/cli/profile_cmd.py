@@ -15,7 +15,9 @@ import numpy as np
 
 from optimizer.planning.profile import (
     LatencyTable,
+    MODES,
     MachineInfo,
+    Mode,
     Placement,
     Profile,
     ProfileError,
@@ -49,12 +51,12 @@ def profile() -> None:
 @click.argument("csv_file", metavar="FILE.csv", type=click.Path(dir_okay=False, path_type=Path))
 @click.option(
     "-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
-    help="Profile to write [default: profiles/<model>.json, profiles/<model>.graph.json for --mode graph].",
+    help="Profile to write [default: profiles/<model>.json; profiles/<model>.<backend>.json for a graph backend].",
 )
 @click.option("--model", default=None, help="Model name [default: the CSV file's stem].")
 @click.option(
-    "--mode", type=click.Choice(["eager", "graph"]), default="eager", show_default=True,
-    help="How the model was run when measured.",
+    "--mode", type=click.Choice(list(MODES)), default="eager", show_default=True,
+    help="How the model was run when measured: eager or a graph backend.",
 )
 @click.option(
     "--placement", type=click.Choice(["isolated", "co-located"]), default="isolated", show_default=True,
@@ -66,7 +68,7 @@ def profile() -> None:
 )
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
 def import_csv(
-    csv_file: Path, output: Path | None, model: str | None, mode: Literal["eager", "graph"],
+    csv_file: Path, output: Path | None, model: str | None, mode: Mode,
     placement: Placement, duplicates: Literal["mean", "error"], force: bool,
 ) -> None:
     """Import a CSV of measurements into a JSON profile.
@@ -83,7 +85,7 @@ def import_csv(
     except ProfileError as exc:
         raise click.ClickException(str(exc)) from None
     # Same file names as the profiler, so `optimize -p <model>` finds either.
-    output = output or profile_path(prof.model, graph=prof.mode == "graph")
+    output = output or profile_path(prof.model, prof.mode)
     if output.exists() and not force:
         raise click.ClickException(f"{output} exists; pass --force to overwrite it")
     prof.save(output)
@@ -153,7 +155,7 @@ def _describe(prof: Profile, path: Path, here: MachineInfo) -> str:
         differences = prof.machine.differences(here)
         machine = prof.machine.summary() + (
             f"\n  NOT this machine: {'; '.join(differences)} (profile vs this machine)"
-            f"\n  profile this one: {quick_profile_command(prof.model, path, graph=prof.mode == 'graph')}"
+            f"\n  profile this one: {quick_profile_command(prof.model, path, mode=prof.mode)}"
             if differences else "\n  matches this machine (CPU model, cores per socket)"
         )
     copies = sorted({e.copies for e in prof.entries if e.copies})

@@ -41,7 +41,7 @@ def path(model: str, profile_ref: str | None, max_batch: int, rounds: int, as_js
     \b
     Examples:
       packrat-mq profile path --model minilm
-      packrat-mq profile path --model resnet50 --profile profiles/resnet50.graph.json --max-batch 16
+      packrat-mq profile path --model resnet50 --profile profiles/resnet50.torchscript.json --max-batch 16
     """
     require_handler(model)
     try:

@@ -20,6 +20,7 @@ from packrat_mq.cli.helpers import (
     connect_or_fail,
     echo_json,
     err,
+    graph_options,
     parse_handler_options,
     redis_options,
     require_handler,
@@ -49,7 +50,7 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
               help="Batch sizes, e.g. 1,2,4,8 [default: powers of two up to --max-batch].")
 @click.option("--max-batch", type=click.IntRange(min=1), default=DEFAULT_MAX_BATCH, show_default=True,
               help="Largest batch size when --batches is not given.")
-@click.option("--graph", is_flag=True, help="TorchScript trace + freeze, as served with graph mode.")
+@graph_options
 @click.option("--co-located/--isolated", "co_located", default=True, show_default=True,
               help="Time each (threads, batch) beside copies of itself on the socket's other cores "
               "(T // threads copies, the slowest taken: what a packed machine serves), or alone.")
@@ -74,7 +75,7 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
               help="Latency SLO: stop growing the batch at a thread count once slower than this "
               "(the profile then only plans under the SLO).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Profile file [default: profiles/<model>.json, profiles/<model>.graph.json with --graph].")
+              help="Profile file [default: profiles/<model>.json, profiles/<model>.<backend>.json in a graph mode].")
 @click.option("--fresh", is_flag=True, help="Ignore points already in the output file and start over.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the run report as JSON.")
@@ -95,7 +96,7 @@ def run(
     threads_max: int | None,
     batches: list[int] | None,
     max_batch: int,
-    graph: bool,
+    graph: str | None,
     co_located: bool,
     quick: bool,
     model_options: tuple[str, ...],
@@ -157,7 +158,8 @@ def run(
             model=model,
             threads_max=threads_max,
             batches=batches or power_of_two_batches(max_batch),
-            graph=graph,
+            # --graph/--eager, else PACKRAT_GRAPH_MODE; `graph` resolves to the model's default backend.
+            graph=graph if graph is not None else settings.graph_mode,
             placement="co-located" if co_located else "isolated",
             options=handler_options,
             rel_ci=rel_ci,

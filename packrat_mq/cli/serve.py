@@ -13,10 +13,12 @@ from dispatcher.dispatcher import Dispatcher
 from dispatcher.partitioning import latency_from_profile
 from optimizer.planning.profile import Profile, ProfileError
 from optimizer.planning.selection import choose, find_profile, machine_warning
+from packrat_mq import graph as graph_modes
 from packrat_mq import logs
 from packrat_mq.cli.helpers import (
     connect_or_fail,
     err,
+    graph_options,
     parse_handler_options,
     redis_options,
     remember_url,
@@ -48,7 +50,8 @@ class ServePlan:
     profile_path: str | None
     options: dict[str, Any]
     node: str | None
-    graph: bool
+    #: The concrete graph mode: ``eager`` or a backend (``--graph`` alone resolved for the model).
+    graph: str
     #: Stop (in order) when the program that started this one dies.
     exit_with_parent: bool = False
     #: The dispatcher's estimator chooses B from the load (no --batch, or --adaptive).
@@ -84,15 +87,15 @@ def require_cores(config: Configuration, topology: Topology) -> None:
 
 def choose_configuration(
     model: str, instances: str | None, threads: int | None, batch: int | None, profile: str | None,
-    graph: bool = False, handler: str | None = None, topology: Topology | None = None, *, fit: bool = False,
+    graph: str = "eager", handler: str | None = None, topology: Topology | None = None, *, fit: bool = False,
 ) -> tuple[Configuration, str | None]:
     """The configuration to serve with, and the profile it came from (if any).
 
     ``--instances`` wins; otherwise :func:`optimizer.planning.selection.choose` decides
     for ``--threads`` (default: the cores of one socket of ``topology``, this machine's
     when None) and ``--batch``. Without ``--profile`` the model's profile of the mode
-    served in is used (``profiles/<model>.graph.json`` with ``--graph``, else
-    ``profiles/<model>.json``). A profile measured on another kind of machine is used
+    ``graph`` served in is used (``profiles/<model>.<backend>.json`` for a graph
+    backend, else ``profiles/<model>.json``). A profile measured on another kind of machine is used
     all the same, with a warning on stderr that says so and how to profile this
     machine; not on a simulated machine, which no profile was measured on. With
     ``fit`` the configuration (and ``--threads``) must fit the cores of ``topology``,
@@ -113,13 +116,13 @@ def choose_configuration(
             require_cores(config, machine)
         # A hand-given configuration still has the profile split partial batches.
         try:
-            path = find_profile(model, profile, graph=graph)
+            path = find_profile(model, profile, mode=graph)
         except ProfileError:
             raise click.BadParameter(f"no profile {profile!r}", param_hint="--profile") from None
         if path is not None:
             err(f"profile for splitting partial batches: {path}")
             try:
-                warning = machine_warning(Profile.load(path), path, handler or model, graph=graph,
+                warning = machine_warning(Profile.load(path), path, handler or model, mode=graph,
                                           threads=config.threads, batch=config.batch)
             except ProfileError:
                 warning = None  # a broken file is the dispatcher's to report when it reads it
@@ -128,7 +131,7 @@ def choose_configuration(
         return config, str(path) if path else None
     try:
         choice = choose(model, threads or machine.max_cores_per_socket, batch or 1, profile,
-                        graph=graph, handler=handler)
+                        mode=graph, handler=handler)
     except ValueError as exc:
         raise click.ClickException(f"optimizer: {exc}") from None
     if fit:
@@ -157,7 +160,7 @@ def simulated_topology(cores: int | None, handler: str) -> Topology | None:
 
 
 def profiled_profile(served: str, profile: str | None, options: dict[str, Any],
-                     graph: bool = False) -> tuple[str | None, dict[str, Any]]:
+                     graph: str = "eager") -> tuple[str | None, dict[str, Any]]:
     """For ``--model profiled``: one profile for the handler to sleep by and the optimizer to plan from.
 
     ``-o profile=P`` plans from P too when ``--profile`` is not given, and
@@ -170,7 +173,7 @@ def profiled_profile(served: str, profile: str | None, options: dict[str, Any],
         raise click.ClickException("the profiled model needs a profile: -o profile=PATH (or --profile PATH)")
     source, hint = (str(given), "--option profile") if given is not None else (str(profile), "--profile")
     try:
-        path = find_profile(served, source, graph=graph)
+        path = find_profile(served, source, mode=graph)
     except ProfileError as exc:
         raise click.BadParameter(str(exc), param_hint=hint) from None
     assert path is not None  # a named profile is found or raises
@@ -193,8 +196,9 @@ def serving_options(func: Callable[..., Any]) -> Callable[..., Any]:
     @click.option("--adaptive", is_flag=True, default=False,
                   help="Estimate B from the load even with --batch/--instances (they give the starting point).")
     @click.option("--profile", default=None,
-                  help="Profile JSON (default: profiles/<model>.json, profiles/<model>.graph.json with --graph).")
-    @click.option("--graph/--eager", default=False, show_default=True, help="TorchScript trace + freeze, or eager.")
+                  help="Profile JSON (default: profiles/<model>.json; profiles/<model>.<backend>.json "
+                       "in a graph mode, e.g. resnet50.compile.json).")
+    @graph_options
     @click.option("--option", "-o", "option_pairs", multiple=True, metavar="KEY=VALUE",
                   help="Handler option (repeatable), e.g. -o base_ms=5 for sleep.")
     @click.option("--node", default=None, help="Node name in instance ids (default: host name).")
@@ -215,11 +219,14 @@ def serving_options(func: Callable[..., Any]) -> Callable[..., Any]:
                        "(default: on when B is adaptive); env PACKRAT_PREWARM_SPARES.")
     @functools.wraps(func)
     def wrapper(*args: Any, model: str, instances: str | None, threads: int | None, batch: int | None,
-                adaptive: bool, profile: str | None, graph: bool, option_pairs: tuple[str, ...],
+                adaptive: bool, profile: str | None, graph: str | None, option_pairs: tuple[str, ...],
                 node: str | None, name: str | None, exit_with_parent: bool, simulate_cores: int | None,
                 spares: int | None, prewarm: bool | None, **kwargs: Any) -> Any:
         served, handler = model_and_handler(model, name)
         require_handler(handler)
+        settings = kwargs.get("settings") or Settings()
+        # --graph/--eager, else PACKRAT_GRAPH_MODE; `graph` is this model's default backend.
+        graph = graph_modes.resolve(graph if graph is not None else settings.graph_mode, handler)
         topology = simulated_topology(simulate_cores, handler)
         options = parse_handler_options(option_pairs)
         if ZOO.get(handler, handler) == ZOO["profiled"]:
@@ -261,7 +268,12 @@ def _run(settings: Settings, url: str, plan: ServePlan, *, with_dispatcher: bool
         if plan.topology is not None and plan.topology.simulated:
             click.echo(f"simulating one socket of {plan.topology.physical_cores} cores: the cpus below are labels, "
                        "no instance is pinned")
+        if plan.adaptive and plan.graph in graph_modes.COMPILING:
+            err(f"note: graph mode {plan.graph} compiles the model at every instance start (tens of seconds, "
+                f"docs/figures.md); adaptive B starts new instances whenever a change needs other thread "
+                f"counts, and waits for them. --graph torchscript starts in seconds")
         click.echo(f"starting {plan.model}: {config} (B={config.batch}, {config.threads} threads"
+                   + (f", graph mode {plan.graph}" if plan.graph != "eager" else "")
                    + (f", predicted {config.predicted_latency_ms:.2f} ms" if config.predicted_latency_ms else "")
                    + (f"; adaptive: B follows the load, {settings.adaptive_min_batch}..{settings.adaptive_max_batch}, "
                       f"planned for T={service.threads_budget}" if plan.adaptive else "; B pinned") + ")")

@@ -54,6 +54,7 @@ def collect_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
             #: Several nodes: each node's generation in the document (see docs/decisions.md#several-nodes).
             "nodes": dict(deployment.nodes) if deployment else {},
             "predicted_latency_ms": deployment.predicted_latency_ms if deployment else None,
+            "graph_mode": (deployment.graph_mode or "eager") if deployment else None,
             "instances": [],
             "supervisors": [],
         }
@@ -120,8 +121,10 @@ def render(doc: dict[str, Any], prefix: str) -> str:
     for m in doc["models"]:
         rates = m.get("rates")
         bound = m["dispatcher"].get("max_backlog")
+        graph = m.get("graph_mode")
         lines.append(f"{m['model']}: {m['configuration'] or 'no deployment'} (B={m['batch']}, "
-                     f"generation {m['generation']}), backlog {m['backlog']}"
+                     + (f"graph mode {graph}, " if graph and graph != "eager" else "")
+                     + f"generation {m['generation']}), backlog {m['backlog']}"
                      + (f" of at most {bound}" if bound else "") + f", in flight {m['in_flight']}, "
                      + ", ".join(f"{k} {v}" for k, v in sorted(m["stats"].items()))
                      + (f"; {rates['requests_per_s']:.1f} req/s, {rates['replies_per_s']:.1f} replies/s" if rates else ""))

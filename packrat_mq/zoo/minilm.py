@@ -12,9 +12,10 @@ Output, per request: the embedding as a list of 384 floats (JSON).
 
 Padding depends on the mode. Eager mode pads each batch to its longest text,
 which is cheapest for short texts. Graph mode pads every text to the fixed
-context option ``seq_len`` (default 128) and truncates to it, because a
-TorchScript trace is only valid for the shapes it was traced with; choose
-``seq_len`` to cover the texts you expect.
+context option ``seq_len`` (default 128) and truncates to it, because a graph
+is only valid for the shapes it was built with; choose ``seq_len`` to cover
+the texts you expect. Given explicitly, ``seq_len`` fixes the length in eager
+mode too (the same work per request in every mode, as a comparison needs).
 """
 from __future__ import annotations
 
@@ -63,9 +64,18 @@ class MiniLMHandler(BaseHandler):
         # The pooler (one 384x384 layer on [CLS]) is loaded though unused: leaving it out costs
         # nothing measurable but makes transformers print an alarming "UNEXPECTED keys" report.
         encoder = BertModel.from_pretrained(model_dir, local_files_only=True)
-        # Graph mode needs one fixed length (see the module docstring); eager mode pads per batch.
-        self.fixed_length = seq_len_of(context, MAX_LENGTH) if context.graph_mode else None
+        seq_len_of(context, MAX_LENGTH)  # a bad seq_len fails the load, in any mode
         return _MeanPooledEmbedding(encoder)
+
+    def prepare(self, model: Any) -> Any:
+        # Decided here, not in load_model: the profiler loads eager and builds each mode later
+        # (workers.runtime.resize), and the graph is built on example batches of this length.
+        # Graph mode needs one fixed length (see the module docstring); eager mode pads per batch
+        # unless seq_len is given.
+        context = self.context
+        fixed = context is not None and (context.graph_mode is not None or "seq_len" in context.options)
+        self.fixed_length = seq_len_of(context, MAX_LENGTH) if fixed and context is not None else None
+        return super().prepare(model)
 
     def example_batch(self, n: int) -> list[Input]:
         return [
