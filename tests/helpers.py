@@ -57,6 +57,18 @@ def interrupt(proc: subprocess.Popen[Any], timeout: float = 30.0) -> None:
         proc.wait()
 
 
+def terminate_all(procs: list[subprocess.Popen[Any]], timeout: float = 30.0) -> None:
+    """SIGTERM every process still running, last started first, then wait for each (SIGKILL after ``timeout``)."""
+    for proc in reversed(procs):
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def hand_out(r: Any, keys: Any, model: str, instance_id: str, requests: list[Any], batch_id: str = "b1") -> bytes:
     """Do what the dispatcher does for one sub-batch, for tests that drive a worker directly.
 

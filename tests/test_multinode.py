@@ -31,7 +31,7 @@ from packrat_mq.settings import Settings
 from packrat_mq.streams import ensure_group
 from packrat_mq.zoo.testing import EchoHandler
 from tests.cli_run import Tracked, run_cli
-from tests.helpers import hand_out, wait_for
+from tests.helpers import hand_out, terminate_all, wait_for
 from packrat_mq.instances import Configuration
 from packrat_mq.topology import Topology
 from workers.supervisor import Supervisor
@@ -200,14 +200,7 @@ def test_two_pools_as_two_nodes_one_killed_mid_load(redis_url: str, prefix: str,
         assert r.xlen(keys.requests("sleep")) == 0
     finally:
         stop.set()
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        terminate_all(procs)
         logs = {f.name: f.read_text()[-3000:] for f in Path(tracked.tmp).glob("*.txt")}
         tracked.leftovers(grace_s=5)
         tracked.close()
@@ -318,13 +311,6 @@ def test_a_reconfiguration_reaches_both_nodes(redis_url: str, prefix: str, r: re
         assert sorted(f[b"id"] for f in got) == sorted(f"q{k}".encode() for k in range(8))
         assert {f[b"instance"] for f in got} <= {b"n1-g1-0", b"n2-g1-0"}  # a reshare keeps the instances
     finally:
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        terminate_all(procs)
         tracked.leftovers(grace_s=5)
         tracked.close()

@@ -64,9 +64,10 @@ def make(r: redis.Redis, settings: Settings, redis_url: str) -> Iterator[MakeSup
     made: list[Supervisor] = []
     quiet = settings.model_copy(update={"log_level": "WARNING", "batch_timeout_ms": 5.0})
 
-    def build(model: str, config: str, **kw: Any) -> Supervisor:
+    def build(model: str, config: str, settings_update: dict[str, Any] | None = None, **kw: Any) -> Supervisor:
         kw.setdefault("node", "n1")
-        sup = Supervisor(r, quiet, redis_url, model, Configuration.parse(config), **kw)
+        sup = Supervisor(r, quiet.model_copy(update=settings_update or {}), redis_url, model,
+                         Configuration.parse(config), **kw)
         made.append(sup)
         return sup
 
@@ -305,8 +306,7 @@ def pids_of(sup: Supervisor) -> set[int]:
 def test_retired_instances_become_spares_and_later_changes_rebind_them(
         make: MakeSupervisor, r: redis.Redis, settings: Settings, redis_url: str, prefix: str) -> None:
     """After the first active-passive change, going back and forth starts no process: spares are rebound."""
-    sup = make("sleep", "2x4")
-    sup.settings = sup.settings.model_copy(update={"spare_instances": 2})
+    sup = make("sleep", "2x4", settings_update={"spare_instances": 2})
     sup.start(ready_timeout=60)
     original = sup.instances[0]
     with Load(redis_url, prefix, "sleep", clients=6) as load:
@@ -346,8 +346,7 @@ def test_retired_instances_become_spares_and_later_changes_rebind_them(
 @TWO_CORES
 def test_prewarmed_spares_make_even_the_first_change_without_a_start(
         make: MakeSupervisor, r: redis.Redis, settings: Settings, redis_url: str, prefix: str) -> None:
-    sup = make("sleep", "2x4")
-    sup.settings = sup.settings.model_copy(update={"spare_instances": 2, "prewarm_spares": True})
+    sup = make("sleep", "2x4", settings_update={"spare_instances": 2, "prewarm_spares": True})
     sup.start(ready_timeout=60)
     supervise_until(sup, lambda: sup.spares_loaded() == 2, 60, "two spares to load")
     assert r.hget(settings.keys.supervisor("sleep", "n1"), "spares") == b"2"  # all of them, the last one too
@@ -365,8 +364,7 @@ def test_prewarmed_spares_make_even_the_first_change_without_a_start(
 @TWO_CORES
 def test_a_spare_killed_while_rebinding_comes_back_bound(
         make: MakeSupervisor, r: redis.Redis, settings: Settings, redis_url: str, prefix: str) -> None:
-    sup = make("sleep", "2x4")
-    sup.settings = sup.settings.model_copy(update={"spare_instances": 1, "prewarm_spares": True})
+    sup = make("sleep", "2x4", settings_update={"spare_instances": 1, "prewarm_spares": True})
     sup.start(ready_timeout=60)
     supervise_until(sup, lambda: len(sup.spares) == 1 and sup._is_spare(sup.spares[0]), 60, "a spare")
     spare = sup.spares[0]

@@ -230,15 +230,20 @@ class Supervisor:
         self.totals = Totals()
 
     def _instance(self, a: CoreAssignment, generation: int) -> Instance:
-        record = InstanceRecord(id=f"{self.node}-g{generation}-{a.instance}", threads=a.threads,
-                                batch=a.batch, cpus=list(a.cpus), socket=a.socket, node=self.node)
+        return self._new_instance(f"{self.node}-g{generation}-{a.instance}", a.threads, a.batch, list(a.cpus),
+                                  a.socket, a.pin)
+
+    def _new_instance(self, instance_id: str, threads: int, batch: int, cpus: list[int], socket: int, pin: bool,
+                      *, spare: bool = False) -> Instance:
+        """An instance not yet started: its record in the deployment, its worker spec, its process."""
+        record = InstanceRecord(id=instance_id, threads=threads, batch=batch, cpus=cpus, socket=socket,
+                                node=self.node)
         spec = WorkerSpec(url=self.url, settings=self.settings, model=self.model, handler=self.handler,
-                          instance_id=record.id, threads=a.threads, batch=a.batch, cpus=list(a.cpus),
-                          socket=a.socket, pin=a.pin, graph_mode=self.graph_mode, options=self.options,
-                          parent_pid=os.getpid())
-        child = Child(name=f"instance {record.id}", module="workers.worker", spec_json=spec.model_dump_json(),
-                      record_key=self.keys.instance(self.model, record.id), record=InstanceState,
-                      env=instance_env(a.threads, self.settings))
+                          instance_id=instance_id, threads=threads, batch=batch, cpus=cpus, socket=socket, pin=pin,
+                          graph_mode=self.graph_mode, options=self.options, parent_pid=os.getpid(), spare=spare)
+        child = Child(name=f"instance {instance_id}", module="workers.worker", spec_json=spec.model_dump_json(),
+                      record_key=self.keys.instance(self.model, instance_id), record=InstanceState,
+                      env=instance_env(threads, self.settings))
         return Instance(record=record, spec=spec, child=child)
 
     def _dispatcher(self) -> Child:
@@ -582,8 +587,7 @@ class Supervisor:
         for inst in leaving:
             if len(self.spares) >= self.spare_cap() or not inst.child.running() or not self._room_for_spare():
                 break
-            inst.spec = inst.spec.model_copy(update={"spare": True})
-            inst.child.spec_json = inst.spec.model_dump_json()
+            self._rebound(inst, inst.spec.model_copy(update={"spare": True}))
             rebinding.send(self.r, self.keys.queue(self.model, inst.record.id), rebinding.Order(role="spare"))
             self.spares.append(inst)
             kept.append(inst)
@@ -606,16 +610,8 @@ class Supervisor:
         pin = not self.topology.simulated
         cpus = [c.cpus[0] for c in cores if c.socket == cores[0].socket]
         self._spare_seq += 1
-        record = InstanceRecord(id=f"{self.node}-spare-{self._spare_seq}", threads=1, batch=1, cpus=cpus,
-                                socket=cores[0].socket, node=self.node)
-        spec = WorkerSpec(url=self.url, settings=self.settings, model=self.model, handler=self.handler,
-                          instance_id=record.id, threads=1, batch=1, cpus=cpus, socket=record.socket, pin=pin,
-                          graph_mode=self.graph_mode, options=self.options, parent_pid=os.getpid(),
-                          spare=True)
-        child = Child(name=f"instance {record.id}", module="workers.worker", spec_json=spec.model_dump_json(),
-                      record_key=self.keys.instance(self.model, record.id), record=InstanceState,
-                      env=instance_env(1, self.settings))
-        inst = Instance(record=record, spec=spec, child=child)
+        inst = self._new_instance(f"{self.node}-spare-{self._spare_seq}", 1, 1, cpus, cores[0].socket, pin,
+                                  spare=True)
         self._start_instance(inst)
         self.spares.append(inst)
 
