@@ -390,3 +390,28 @@ def test_cgroup_memory_limit_is_read_where_there_is_one(tmp_path) -> None:  # ty
     (tmp_path / "memory.max").write_text("1073741824\n")
     (tmp_path / "memory.current").write_text("536870912\n")
     assert _cgroup_memory(str(tmp_path)) == (1 << 30, 1 << 29)
+
+
+def test_a_dead_retiree_does_not_stop_the_next_from_being_kept_as_a_spare(
+        make: MakeSupervisor, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A retiree that died while draining is skipped, not the end of the list (it was a ``break``)."""
+    sup = make("sleep", "1x1", settings_update={"spare_instances": 2})
+    sent: list[str] = []
+    monkeypatch.setattr("workers.supervisor.rebinding.send", lambda r, queue, order: sent.append(queue))
+    monkeypatch.setattr(sup, "_room_for_spare", lambda: True)
+
+    class Child:
+        def __init__(self, alive: bool) -> None:
+            self.alive = alive
+            self.spec_json = ""
+            self.env: dict[str, str] = {}
+
+        def running(self) -> bool:
+            return self.alive
+
+    dead, alive = sup._instance(sup.assignments[0], 1), sup._instance(sup.assignments[0], 1)
+    dead.child, alive.child = Child(False), Child(True)  # type: ignore[assignment]
+    kept = sup._keep_as_spares([dead, alive])
+    assert kept == [alive] and sup.spares == [alive] and len(sent) == 1
+    assert alive.spec.spare and not dead.spec.spare
+    sup.spares = []  # fakes: nothing for the fixture to stop

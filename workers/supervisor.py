@@ -585,8 +585,10 @@ class Supervisor:
         """Of the drained instances leaving, those kept loaded as spares (the cap and the memory allowing)."""
         kept = []
         for inst in leaving:
-            if len(self.spares) >= self.spare_cap() or not inst.child.running() or not self._room_for_spare():
+            if len(self.spares) >= self.spare_cap() or not self._room_for_spare():
                 break
+            if not inst.child.running():
+                continue  # died while draining: it is stopped with the rest; the next one may still be kept
             self._rebound(inst, inst.spec.model_copy(update={"spare": True}))
             rebinding.send(self.r, self.keys.queue(self.model, inst.record.id), rebinding.Order(role="spare"))
             self.spares.append(inst)
