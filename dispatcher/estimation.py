@@ -42,6 +42,19 @@ bursts; the smaller B then falls behind, the backlog grows, and B goes back
 up: a limit cycle under a steady load, which the first benchmark showed
 (32 → 16 → 32 five times in 19 s at 95% of B=16's capacity).
 
+A fourth, against going up for nothing: the estimate alone moves B up only
+while the current B is busy, the recent dispatch rate at least
+``up_utilisation`` (60%) of its planned capacity. In steady state a stream
+length of 2 at B=1 needs about 77% utilisation (M/D/1), so this keeps every
+move up a load asks for; what it stops is a short Poisson burst at low load
+(Q̃, smoothed over 50 ms, rises within one 90 ms ResNet-50 batch) and the
+feedback it starts where batching buys little: on two cores, ResNet-50 at
+B=2 is two 1-thread instances, a lone request there waits the batch timeout
+and runs on one core, it stays longer in the stream, Q̃ reads higher, and
+B climbed 1 → 2 → 4 → 8 at a quarter of the load B=1 carries (seven changes
+in a 20 s idle phase, docs/figures.md). A queue that really builds still
+moves B at once through the queue-delay trigger, whatever the profile says.
+
 Everything here is pure (a clock is passed in), so the rules are tested
 without Redis or processes; :mod:`dispatcher.adaptive` runs them in the
 dispatcher.
@@ -85,6 +98,10 @@ class EstimatorSettings(BaseModel):
                                    description="A smaller B is taken only if its capacity exceeds the recent "
                                                "dispatch rate by this fraction.")
     rate_window_s: float = Field(default=5.0, gt=0, description="Window of the dispatch rate the guard reads.")
+    up_utilisation: float = Field(default=0.6, ge=0, le=1,
+                                  description="A larger B is taken on the estimate only while the recent dispatch "
+                                              "rate is at least this share of the current B's capacity (the "
+                                              "queue-delay trigger excepted).")
 
 
 def floor_pow2(x: float) -> int:
@@ -226,6 +243,17 @@ class Policy:
         # Not yet a period of batches seen (a dispatcher just started): no smaller B blind.
         return rate is None or rate > (1 - self.settings.capacity_margin) * cap
 
+    def busy(self, now: float, batch: int, capacity: Callable[[int], float | None] | None) -> bool:
+        """Whether ``batch`` is loaded enough that a larger B may pay: the recent rate ≥ ``up_utilisation`` × its capacity.
+
+        Unknown (no capacity, no rate yet) counts as busy: the estimate alone decides, as before.
+        """
+        cap = capacity(batch) if capacity is not None else None
+        rate = self.rate(now)
+        if cap is None or rate is None:
+            return True
+        return rate >= self.settings.up_utilisation * cap
+
     def decide(self, now: float, current: int, b_tilde: int | None, q_tilde: float | None = None,
                predicted_ms: float | None = None,
                capacity: Callable[[int], float | None] | None = None) -> Decision | None:
@@ -263,7 +291,10 @@ class Policy:
         if not up and self.short_of_capacity(now, b_tilde, capacity):
             return None  # the load would outgrow it at once: stay
         if self.disagree_since is not None and now - self.disagree_since >= dwell:
-            return Decision(b_tilde, "estimate", current, q_tilde)
+            if not up or self.busy(now, current, capacity):
+                return Decision(b_tilde, "estimate", current, q_tilde)
+            # A burst, or the feedback of a larger B's slower lone requests, not a load that B cannot
+            # carry: stay (a queue that really builds still moves B, through the queue-delay trigger).
         return self._triggered(current, b_tilde, q_tilde, predicted_ms)
 
     def _triggered(self, current: int, b_tilde: int, q_tilde: float | None,

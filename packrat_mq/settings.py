@@ -81,6 +81,11 @@ class Settings(BaseSettings):
     reconfigure_up_timeout_s: float = Field(
         default=0.25, gt=0, description="The same for a larger B (and between two moves up): up quick, down slow."
     )
+    reconfigure_up_utilisation: float = Field(
+        default=0.6, ge=0, le=1,
+        description="The estimate moves B up only while the dispatch rate is at least this share of the current "
+                    "B's planned capacity (a queue that builds still moves it: the queue-delay trigger).",
+    )
     adaptive_min_batch: int = Field(default=1, ge=1, description="Smallest B the estimator asks for.")
     adaptive_max_batch: int = Field(default=32, ge=1, description="Largest B the estimator asks for.")
     trigger_period_s: float = Field(

@@ -300,3 +300,43 @@ def test_the_guard_sees_a_step_in_the_last_second() -> None:
     t = dispatch_at(policy, t, 1.0, 184.0, 8, True)
     assert policy.rate(t) == pytest.approx(184.0, rel=0.1)
     assert policy.short_of_capacity(t, 16, CAPACITY.get)
+
+
+# --- the up guard -------------------------------------------------------------------
+def test_a_burst_at_low_load_does_not_move_b_up() -> None:
+    """12 req/s against B=1's 50/s (24%): a stream length of 3 for a moment does not move B; saturation does."""
+    clock, est, policy = Clock(), Estimator(), Policy()
+    policy.decide(clock.t, 1, 1)
+    t = dispatch_at(policy, clock.t, 3.0, 12.0, 1, False)
+    clock.t = t
+    for _ in range(200):  # 1 s of a backlog of 3 (what a Poisson burst looks like to Q̃)
+        clock.t += 0.005
+        est.observe(3, 1)
+        assert policy.decide(clock.t, 1, est.b_tilde, est.q_tilde, capacity=CAPACITY.get) is None
+    assert est.b_tilde == 2
+    # The same estimate at 45 req/s (90% of B=1's capacity): up.
+    t = dispatch_at(policy, clock.t, 2.0, 45.0, 1, False)
+    clock.t = t
+    est.observe(3, 1)
+    d = policy.decide(clock.t, 1, est.b_tilde, est.q_tilde, capacity=CAPACITY.get)
+    assert d is not None and d.batch == 2 and d.reason == "estimate"
+    # Without the capacity known, the estimate alone decides (as before).
+    p2, e2, c2 = Policy(), Estimator(), Clock()
+    p2.decide(c2.t, 1, 1)
+    c2.t = dispatch_at(p2, c2.t, 3.0, 12.0, 1, False)
+    e2.observe(3, 1)
+    assert p2.decide(c2.t, 1, e2.b_tilde, e2.q_tilde) is None  # the dwell starts
+    c2.t += 0.3
+    assert p2.decide(c2.t, 1, e2.b_tilde, e2.q_tilde) is not None
+
+
+def test_a_queue_that_builds_moves_b_up_however_low_the_planned_utilisation() -> None:
+    """A machine slower than its profile: the rate B=1 manages is 20/s (40% of planned), the queue grows."""
+    policy = Policy()
+    policy.decide(0.0, 1, 1)
+    t = 0.0
+    for k in range(40):  # 2 s of single batches whose oldest request waited longer and longer
+        t += 0.05
+        policy.record_batch(t, 1, False, 50.0 + 20.0 * k)
+    d = policy.decide(t, 1, 8, 9.0, predicted_ms=20.0, capacity=CAPACITY.get)
+    assert d is not None and d.batch == 8 and d.reason == "queue delay"
