@@ -164,6 +164,10 @@ class InstanceState(LiveRecord):
     cpus: list[int] = []
     socket: int = 0
     batches: int = 0
+    #: Median ``inference_ms`` of its last full-size sub-batches at this binding (threads, batch), and
+    #: how many full ones it served: what the supervisor holds against the profile.
+    served_ms: float | None = None
+    served_batches: int = 0
 
 
 class DispatcherState(LiveRecord):
@@ -216,6 +220,9 @@ class SupervisorState(LiveRecord):
     #: Spare instances loaded, and how many it keeps (see ``workers.rebinding``).
     spares: int = 0
     spares_wanted: int = 0
+    #: Served / profiled latency, the median over its instances at their own (t, b)
+    #: (``optimizer.planning.drift``); None until measured or without a profile.
+    profile_ratio: float | None = None
 
 
 def _judge(state: str, heartbeat: float, interval: float, now: float) -> str:

@@ -366,3 +366,33 @@ def test_stopping_with_requests_in_flight_loses_and_duplicates_nothing(
     wait_for(lambda: r.xlen(client.reply_to) >= len(ids), 30, "a reply to every request")
     time.sleep(0.5)
     assert replies_by_id(r, client.reply_to) == Counter({rid: 1 for rid in ids})
+
+
+def test_serving_slower_than_the_profile_is_measured_and_warned_about_once(
+        make: MakeSupervisor, r: redis.Redis, settings: Settings, prefix: str, tmp_path: Any,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A profile that says 10 ms for what serves in 40: the supervisor's check says 4x, warns once, records it."""
+    from optimizer.planning.profile import Profile, ProfileEntry
+
+    path = Profile(model="sleep", entries=(ProfileEntry(threads=1, batch=1, mean_ms=10.0),)).save(tmp_path / "p.json")
+    sup = make("sleep", "1x1", profile=path, options={"base_ms": 40})
+    sup.start(ready_timeout=60)
+    assert sup.check_profile() is None  # nothing served yet: nothing to say
+    client = Client(r, prefix=prefix)
+    for k in range(8):
+        client.submit("sleep", {"k": k}, timeout=30)
+    key = settings.keys.instance("sleep", sup.instances[0].record.id)
+    wait_for(lambda: (InstanceState.load(r, key) or InstanceState()).served_batches >= 8, 15,
+             "the instance's record to carry its served batches")
+    rec = InstanceState.load(r, key)
+    assert rec is not None and 40.0 <= rec.served_ms < 80.0  # type: ignore[operator]
+    with caplog.at_level("WARNING", logger="packrat_mq.supervisor"):
+        check = sup.check_profile()
+        sup.check_profile()
+    assert check is not None and check.off and 4.0 <= check.ratio < 8.0  # type: ignore[operator]
+    warnings = [rec for rec in caplog.records if "does not hold on this machine" in rec.getMessage()]
+    assert len(warnings) == 1, "warned once, not at every check"
+    assert "packrat-mq profile run --model sleep --quick" in warnings[0].getMessage()
+    sup._beat()
+    state = SupervisorState.load(r, settings.keys.supervisor("sleep", "n1"))
+    assert state is not None and state.profile_ratio == pytest.approx(check.ratio, rel=0.01)

@@ -31,7 +31,9 @@ import psutil
 import redis
 
 from dispatcher.spec import DispatcherSpec
-from optimizer.planning.selection import choose
+from optimizer.planning import drift
+from optimizer.planning.profile import Profile
+from optimizer.planning.selection import choose, find_profile, quick_profile_command
 from packrat_mq import control, graph
 from packrat_mq.backoff import Backoff
 from packrat_mq.connection import check_cluster
@@ -51,6 +53,9 @@ from workers.reconfiguration import HISTORY, Reconfiguration, plan_change
 from workers.worker import WorkerSpec
 
 log = logging.getLogger("packrat_mq.supervisor")
+
+#: How often a supervisor holds what its instances serve against the profile (seconds).
+PROFILE_CHECK_S = 10.0
 
 
 #: How often supervision checks while a reconfiguration is in progress (its phases are short).
@@ -228,6 +233,11 @@ class Supervisor:
         #: processes publish in their records (see :meth:`metrics_view`).
         self.tally = Tally(SUPERVISOR_HISTOGRAMS)
         self.totals = Totals()
+        #: The last comparison of what its instances serve with the profile (see :meth:`check_profile`).
+        self.profile_check: drift.ProfileCheck | None = None
+        self._profile_checked_at = 0.0
+        self._profile_warned = False
+        self._loaded_profile: tuple[Path, Profile] | None = None
 
     def _instance(self, a: CoreAssignment, generation: int) -> Instance:
         return self._new_instance(f"{self.node}-g{generation}-{a.instance}", a.threads, a.batch, list(a.cpus),
@@ -771,8 +781,68 @@ class Supervisor:
         self.poll_control()
         self._advance()
         self._prewarm()
+        if time.monotonic() - self._profile_checked_at >= PROFILE_CHECK_S:
+            self.check_profile()
         self._beat()
         return restarted
+
+    def _profile_in_use(self) -> tuple[Path, Profile] | None:
+        """The profile its plans come from (the one given, else the model's for the mode served), loaded once."""
+        if self._loaded_profile is None:
+            try:
+                path = find_profile(self.model, self.profile, mode=self.graph_mode)
+                if path is None:
+                    return None
+                self._loaded_profile = (path, Profile.load(path))
+            except Exception as exc:  # noqa: BLE001 - no usable profile: nothing to hold serving against
+                log.debug("no profile to check serving against: %s", exc)
+                return None
+        return self._loaded_profile
+
+    def check_profile(self) -> drift.ProfileCheck | None:
+        """Hold what the serving instances measure against the profile; warn once when it is off.
+
+        Each instance's record carries the median time of its last full-size
+        sub-batches at its own (t, b). A simulated topology's profile is
+        another machine's by design, and is not checked. Never raises: a
+        failed read is tried at the next check.
+        """
+        self._profile_checked_at = time.monotonic()
+        loaded = None if self.topology.simulated else self._profile_in_use()
+        if loaded is None:
+            return None
+        path, profile = loaded
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            for inst in self.instances:
+                pipe.hgetall(self.keys.instance(self.model, inst.record.id))
+            raw = pipe.execute()
+        except redis.RedisError as exc:
+            log.debug("profile check: records not read: %s", exc)
+            return self.profile_check
+        served = []
+        for inst, fields in zip(self.instances, raw):
+            rec = InstanceState.parse(fields)
+            if rec is None or rec.served_ms is None or (rec.threads, rec.batch) != (inst.record.threads,
+                                                                                   inst.record.batch):
+                continue
+            served.append(drift.Served(inst.record.id, rec.threads, rec.batch, rec.served_ms, rec.served_batches))
+        check = drift.check_profile(profile, served)
+        if check.ratio is None:
+            return self.profile_check
+        self.profile_check = check
+        if check.off and not self._profile_warned:
+            self._profile_warned = True
+            command = quick_profile_command(self.model, path, mode=self.graph_mode,
+                                            threads=self.threads_budget, batch=self.deployment.batch)
+            log.warning("model %s: %s in %s. The profile does not hold on this machine now (another host, "
+                        "other tenants, another clock): plans and the estimator's capacities are off by as "
+                        "much. To profile this machine (minutes): %s",
+                        self.model, check.describe(), path, command)
+        elif not check.off and self._profile_warned:
+            self._profile_warned = False
+            log.info("model %s: serving matches the profile again (%s)", self.model, check.describe())
+        return check
 
     def _record(self, child: Child, *, state: str | None = None, restarted: bool = False) -> None:
         """Best-effort write to a child's record: Redis may be down while the supervisor restarts it.
@@ -799,6 +869,8 @@ class Supervisor:
             adaptive=self.adaptive, phase=self.change.phase if self.change else "",
             target=self.change.target.compact() if self.change else "",
             spares=self.spares_loaded(), spares_wanted=self.spare_cap(),
+            profile_ratio=round(self.profile_check.ratio, 3) if self.profile_check and self.profile_check.ratio
+            else None,
         )
         try:
             pipe = self.r.pipeline(transaction=False)

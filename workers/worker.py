@@ -28,9 +28,11 @@ import logging
 import os
 import signal
 import socket
+import statistics
 import sys
 import threading
 import time
+from collections import deque
 
 import redis
 
@@ -55,6 +57,8 @@ WAKEUP_CAP = 64
 #: How long an idle worker blocks on its queue: also how long it may take to notice SIGTERM
 #: (a reconfiguration waits for retired instances to exit). Four reads a second cost nothing.
 READ_BLOCK_MS = 250
+#: How many recent full-size sub-batch times the median of the record is taken over.
+SERVED_WINDOW = 20
 
 
 class WorkerSpec(RuntimeSpec):
@@ -95,6 +99,11 @@ class Worker:
         #: What it counts for the metrics while they are on, published in its record at every
         #: heartbeat for its supervisor's exporter: no command of its own on the request path.
         self.tally = Tally(WORKER_HISTOGRAMS) if self.settings.metrics_port else None
+        #: ``inference_ms`` of the last full-size sub-batches at the current binding, and how many
+        #: it served: its record carries their median, which the supervisor holds against the
+        #: profile (:mod:`optimizer.planning.drift`).
+        self._served: deque[float] = deque(maxlen=SERVED_WINDOW)
+        self._served_batches = 0
 
     def stop(self) -> None:
         self._stopping.set()
@@ -106,6 +115,8 @@ class Worker:
         return InstanceState(state=self._state, pid=os.getpid(), host=socket.gethostname(),
                              interval=self.settings.heartbeat_s, heartbeat=time.time(), threads=s.threads,
                              batch=s.batch, cpus=s.cpus, socket=s.socket,
+                             served_ms=statistics.median(self._served) if self._served else None,
+                             served_batches=self._served_batches,
                              metrics=self.tally.dump() if self.tally is not None else None)
 
     def register(self, state: str) -> None:
@@ -262,6 +273,8 @@ class Worker:
                 self._stopping.set()
                 return
             self.spec = new
+            self._served.clear()  # times at the old binding say nothing of the new one
+            self._served_batches = 0
             self._state = "ready"
             log.info("instance %s rebound to %d threads, batch %d, cpus %s in %.2f s", new.instance_id,
                      new.threads, new.batch, new.cpus, time.monotonic() - began)
@@ -328,6 +341,9 @@ class Worker:
             assert self.handler is not None, "no handler: serve after workers.runtime.start"
             result = run_batch(self.handler, items)
             inference_ms = result.inference_ms
+            if len(items) == self.spec.batch and inference_ms > 0:
+                self._served.append(inference_ms)
+                self._served_batches += 1
             for k, outcome in zip(positions, result.outcomes):
                 outcomes[k] = outcome
         return [o or Outcome(error="no result") for o in outcomes], inference_ms

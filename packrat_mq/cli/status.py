@@ -95,6 +95,9 @@ def collect_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
                 "with_dispatcher": sup.with_dispatcher if sup else None,
                 "phase": (sup.phase or None) if sup else None,
                 "target": (sup.target or None) if sup else None,
+                # Served / profiled latency at the instances' own (t, b): far from 1, the profile is not
+                # this machine's now (optimizer.planning.drift).
+                "profile_ratio": sup.profile_ratio if sup else None,
             })
             if sup is not None and sup.phase:
                 entry["reconfiguring"] = {"node": node, "phase": sup.phase, "to": sup.target}
@@ -143,6 +146,7 @@ def render(doc: dict[str, Any], prefix: str) -> str:
         for sup in m.get("supervisors", []):
             lines.append(f"  {'supervisor ' + sup['node']:<24} {sup['state']:<10} pid {sup['pid'] or '-':<7} "
                          f"generation {sup['generation']}  " + _troubles(sup)
+                         + (f"served {sup['profile_ratio']:.2f}x the profile  " if sup.get("profile_ratio") else "")
                          + f"heartbeat {sup['heartbeat_age_s'] if sup['heartbeat_age_s'] is not None else '-'} s ago")
         for i in m["instances"]:
             age = i["heartbeat_age_s"]
