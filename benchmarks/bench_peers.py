@@ -11,6 +11,8 @@ Setups, with T the CPUs this process may run on (``os.sched_getaffinity``):
 - ``torchserve``: TorchServe, 1 worker x T threads, ``batch_size`` B, ``max_batch_delay`` W;
 - ``packrat-layout``: ``packrat-mq up --graph torchscript --instances TxB`` (the same layout), batch timeout W;
 - ``packrat-auto``: ``packrat-mq up --graph torchscript --threads T --batch B`` (the optimizer's choice), W;
+- ``packrat-adaptive``: ``packrat-mq up --graph torchscript --threads T`` (no ``--batch``: the estimator
+  chooses B from the load, starting at 1), W;
 - ``torchserve-b1``: TorchServe, 1 worker x T threads, B=1;
 - ``packrat-b1``: ``packrat-mq up --graph torchscript --instances Tx1``, no batch wait.
 
@@ -87,6 +89,8 @@ def make_setups(threads: int, batch: int, wait_ms: float) -> list[Setup]:
         Setup("packrat-layout", "packrat", t, b, wait_ms, ("--instances", f"{t}x{b}"), "torchserve", "same layout"),
         Setup("packrat-auto", "packrat", t, b, wait_ms, ("--threads", str(t), "--batch", str(b)), "torchserve",
               "optimizer's choice"),
+        # No --batch: the estimator chooses B from the load, from B=1 (the default of `up`).
+        Setup("packrat-adaptive", "packrat", t, b, wait_ms, ("--threads", str(t)), "torchserve", "adaptive B"),
         Setup("torchserve-b1", "torchserve", t, 1, 0.0),
         Setup("packrat-b1", "packrat", t, 1, 0.0, ("--instances", f"{t}x1"), "torchserve-b1"),
     ]

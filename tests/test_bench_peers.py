@@ -23,8 +23,9 @@ def test_ratios_pair_each_packrat_setup_with_its_torchserve_peer_within_a_round(
     setups = make_setups(threads=2, batch=8, wait_ms=50)
     assert [(s.key, s.peer) for s in setups] == [
         ("torchserve", None), ("packrat-layout", "torchserve"), ("packrat-auto", "torchserve"),
-        ("torchserve-b1", None), ("packrat-b1", "torchserve-b1")]
-    assert setups[1].args == ("--instances", "2x8") and setups[4].args == ("--instances", "2x1")
+        ("packrat-adaptive", "torchserve"), ("torchserve-b1", None), ("packrat-b1", "torchserve-b1")]
+    assert setups[1].args == ("--instances", "2x8") and setups[5].args == ("--instances", "2x1")
+    assert setups[3].args == ("--threads", "2")  # no --batch: adaptive from B=1
     rows = [_row(1, "torchserve", 400, 16, 100), _row(1, "packrat-layout", 200, 32, 150, "2x8"),
             _row(2, "torchserve", 800, 8, 100), _row(2, "packrat-layout", 400, 8, 50, "2x8"),
             {"round": 2, "setup": "packrat-auto", "error": "did not start"}]
