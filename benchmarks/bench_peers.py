@@ -14,7 +14,9 @@ Setups, with T the CPUs this process may run on (``os.sched_getaffinity``):
 - ``packrat-adaptive``: ``packrat-mq up --graph torchscript --threads T`` (no ``--batch``: the estimator
   chooses B from the load, starting at 1), W;
 - ``torchserve-b1``: TorchServe, 1 worker x T threads, B=1;
-- ``packrat-b1``: ``packrat-mq up --graph torchscript --instances Tx1``, no batch wait.
+- ``packrat-b1``: ``packrat-mq up --graph torchscript --instances Tx1``, no batch wait;
+- ``packrat-reserved`` (T ≥ 2): ``packrat-mq up --graph torchscript --threads T-1 --batch B``: the
+  optimizer's choice on one core fewer, that core left to Redis, the dispatcher and the clients.
 
 Setups run one after the other, in interleaved rounds (A, B, C, ..., A, B, C,
 ...), each server started before its turn and stopped after it, so drift of a
@@ -93,7 +95,12 @@ def make_setups(threads: int, batch: int, wait_ms: float) -> list[Setup]:
         Setup("packrat-adaptive", "packrat", t, b, wait_ms, ("--threads", str(t)), "torchserve", "adaptive B"),
         Setup("torchserve-b1", "torchserve", t, 1, 0.0),
         Setup("packrat-b1", "packrat", t, 1, 0.0, ("--instances", f"{t}x1"), "torchserve-b1"),
-    ]
+    ] + ([
+        # Issue 8's question for small machines: does a core kept from the instances, for Redis, the
+        # dispatcher and the clients (unpinned, so the scheduler puts them there), pay?
+        Setup("packrat-reserved", "packrat", t, b, wait_ms, ("--threads", str(t - 1), "--batch", str(b)),
+              "torchserve", "one core kept for Redis and the dispatcher"),
+    ] if t >= 2 else [])
 
 
 # --- machine and versions ---------------------------------------------------
@@ -144,11 +151,20 @@ def run_setup(setup: Setup, round_no: int, args: argparse.Namespace, workdir: Pa
         if isinstance(server, PackratUp):
             row["configuration"] = server.configuration
         load = closed_loop(target, payload, clients=args.clients, warmup_s=args.warmup, measure_s=args.measure)
+        if isinstance(server, PackratUp):
+            row["changes_under_load"] = _changes(server.reconfigurations())
         idle = closed_loop(target, payload, clients=1, warmup_s=args.idle_warmup, measure_s=args.idle_measure)
+        if isinstance(server, PackratUp):
+            row["changes"] = _changes(server.reconfigurations())
     row["load"] = load.summary()
     row["idle"] = idle.summary()
     row["killed_at_stop"] = server.killed
     return row
+
+
+def _changes(history: list[dict[str, Any]]) -> list[str]:
+    """Each reconfiguration as ``from -> to (reason)``: an adaptive setup's B under load and at idle."""
+    return [f"{e.get('from')} -> {e.get('to')} ({e.get('reason') or e.get('origin')})" for e in history]
 
 
 def ratios(rows: list[dict[str, Any]], setups: list[Setup]) -> list[dict[str, Any]]:
@@ -217,8 +233,12 @@ def markdown(result: dict[str, Any]) -> str:
 
     def label(key: str) -> str:
         configs = sorted({r["configuration"] for r in runs if r["setup"] == key and r.get("configuration")})
-        chosen = f" → {', '.join(configs)}" if key == "packrat-auto" and configs else ""
-        return labels.get(key, key) + chosen
+        chosen = f" → {', '.join(configs)}" if key in ("packrat-auto", "packrat-reserved") and configs else ""
+        # An adaptive setup: the configurations it changed to under load (per round).
+        moved = [" ".join(c.split(" (")[0].split(" -> ")[1] for c in r.get("changes_under_load") or [])
+                 for r in runs if r["setup"] == key and "changes_under_load" in r]
+        went = f" → under load {' / '.join(m or 'no change' for m in moved)}" if moved else ""
+        return labels.get(key, key) + chosen + went
 
     out = [
         f"{machine['cpu']}, {machine['usable_cpus']} CPUs; ResNet-50 TorchScript (traced, frozen), "

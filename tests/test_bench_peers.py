@@ -23,7 +23,10 @@ def test_ratios_pair_each_packrat_setup_with_its_torchserve_peer_within_a_round(
     setups = make_setups(threads=2, batch=8, wait_ms=50)
     assert [(s.key, s.peer) for s in setups] == [
         ("torchserve", None), ("packrat-layout", "torchserve"), ("packrat-auto", "torchserve"),
-        ("packrat-adaptive", "torchserve"), ("torchserve-b1", None), ("packrat-b1", "torchserve-b1")]
+        ("packrat-adaptive", "torchserve"), ("torchserve-b1", None), ("packrat-b1", "torchserve-b1"),
+        ("packrat-reserved", "torchserve")]
+    assert setups[6].args == ("--threads", "1", "--batch", "8")
+    assert "packrat-reserved" not in {s.key for s in make_setups(threads=1, batch=8, wait_ms=50)}
     assert setups[1].args == ("--instances", "2x8") and setups[5].args == ("--instances", "2x1")
     assert setups[3].args == ("--threads", "2")  # no --batch: adaptive from B=1
     rows = [_row(1, "torchserve", 400, 16, 100), _row(1, "packrat-layout", 200, 32, 150, "2x8"),

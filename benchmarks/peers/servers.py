@@ -30,6 +30,7 @@ import psutil
 
 from benchmarks.peers.load import Target, npy_image, probe
 from packrat_mq.connection import EmbeddedRedis
+from packrat_mq.keys import Keys
 from workers.launch import thread_env
 
 #: Variables that would override what a packrat-mq setup says on its command line.
@@ -227,6 +228,19 @@ class PackratUp:
         except BaseException:
             self.__exit__(None, None, None)
             raise
+
+    def reconfigurations(self) -> list[dict[str, Any]]:
+        """The model's reconfiguration history so far, oldest first (what an adaptive setup changed to, and when)."""
+        import json
+
+        import redis
+
+        assert self.redis is not None
+        r = redis.Redis.from_url(self.redis.url)
+        try:
+            return [json.loads(x) for x in reversed(r.lrange(Keys("peers").reconfigurations(self.model), 0, -1))]
+        finally:
+            r.close()
 
     def __exit__(self, *exc: object) -> None:
         try:
