@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
@@ -64,12 +65,15 @@ class PlannedCapacity:
         #: The graph mode served (``eager`` or a backend): the profile's plans are that mode's.
         self.model, self.profile, self.mode = model, profile, mode
         self.budgets: dict[str, int] = {}
-        self._cache: dict[tuple[int, tuple[tuple[str, int], ...], str], float | None] = {}
+        #: Per node, served / profiled latency as its supervisor measures it (``optimizer.planning.drift``):
+        #: a node serving 1.9x slower than its profile carries 1/1.9 of the planned load. 1 where unknown.
+        self.ratios: dict[str, float] = {}
+        self._cache: dict[tuple[Any, ...], float | None] = {}
 
     def __call__(self, batch: int) -> float | None:
         if not self.profile or not self.budgets:
             return None
-        key = (batch, tuple(sorted(self.budgets.items())), self.mode)
+        key = (batch, tuple(sorted(self.budgets.items())), self.mode, tuple(sorted(self.ratios.items())))
         if key not in self._cache:
             self._cache[key] = self._plan(batch)
         return self._cache[key]
@@ -88,7 +92,7 @@ class PlannedCapacity:
                 return None
             if not latency:
                 return None
-            total += share / (latency / 1000.0)
+            total += share / (latency / 1000.0) / self.ratios.get(node, 1.0)
         return total or None
 
 

@@ -66,6 +66,8 @@ from packrat_mq.settings import Settings
 from packrat_mq.streams import ensure_group
 
 log = logging.getLogger("packrat_mq.dispatcher")
+#: How often the dispatcher reads what its supervisors measured of serving against the profile (seconds).
+RATIOS_EVERY_S = 10.0
 
 
 class Dispatcher:
@@ -104,6 +106,7 @@ class Dispatcher:
         self._recover_from: bytes | str = "0"
         self._stopping = False
         self._last_beat = 0.0
+        self._ratios_read_at = 0.0
         self._state = "starting"
         self.backoff = Backoff()
         self.reader = RequestReader(r, self.stream, DISPATCHER_GROUP, self.consumer)
@@ -141,6 +144,34 @@ class Dispatcher:
         pipe.sadd(self.keys.models(), self.model)
         pipe.execute()
         self._last_beat = now
+        if now - self._ratios_read_at >= RATIOS_EVERY_S and self.capacity.budgets:
+            self._read_ratios(now)
+
+    def _read_ratios(self, now: float) -> None:
+        """What each node's supervisor measured of serving against the profile: the capacities follow it.
+
+        A machine slower than its profile (another host, other tenants) carries
+        less than the profile plans; the estimator's guards read capacities, so
+        they read them corrected (``PlannedCapacity.ratios``). Every
+        ``RATIOS_EVERY_S``, one read per node, off the request path.
+        """
+        self._ratios_read_at = now
+        nodes = list(self.capacity.budgets)
+        pipe = self.r.pipeline(transaction=False)
+        for node in nodes:
+            pipe.hget(self.keys.supervisor(self.model, node), "profile_ratio")
+        ratios = {}
+        for node, raw in zip(nodes, pipe.execute()):
+            try:
+                ratio = float(raw) if raw else None
+            except ValueError:
+                ratio = None
+            if ratio is not None and ratio > 0:
+                ratios[node] = min(max(round(ratio, 2), 0.25), 10.0)
+        if ratios != self.capacity.ratios:
+            log.info("model %s: served / profiled latency by node %s; the estimator's capacities follow",
+                     self.model, ratios or "unknown")
+            self.capacity.ratios = ratios
 
     def record(self, now: float | None = None) -> DispatcherState:
         """This dispatcher's live record as of now (its counters are incremented where they change)."""

@@ -179,6 +179,9 @@ class Policy:
     last_change_at: float | None = None
     last_change: tuple[int, int] | None = None
     _batches: deque[_Batch] = field(default_factory=deque)
+    #: The last ``min_trigger_batches`` batches, however old (up to ``rate_window_s``): the queue-delay
+    #: trigger's evidence when batches are slow (two ResNet-50 batches a second never make five in one).
+    _last_batches: deque[_Batch] = field(default_factory=deque)
     #: (time, size) of the batches of the last ``rate_window_s``, kept across changes: the load's rate.
     _flow: deque[tuple[float, int]] = field(default_factory=deque)
     _flow_since: float | None = None
@@ -190,6 +193,9 @@ class Policy:
     def record_batch(self, now: float, size: int, timed_out: bool, queue_ms: float) -> None:
         """One dispatched batch: its size, whether the timeout cut it short, its oldest request's wait."""
         self._batches.append(_Batch(now, size, timed_out, queue_ms))
+        self._last_batches.append(self._batches[-1])
+        while len(self._last_batches) > self.settings.min_trigger_batches:
+            self._last_batches.popleft()
         self._flow.append((now, size))
         if self._flow_since is None:
             self._flow_since = now
@@ -214,6 +220,7 @@ class Policy:
         self.disagree_since = None
         self.agree_since = None
         self._batches.clear()
+        self._last_batches.clear()
 
     # --- deciding --------------------------------------------------------
     def rate(self, now: float) -> float | None:
@@ -310,13 +317,20 @@ class Policy:
         if b_tilde == current:
             return None
         batches = list(self._batches)
-        if len(batches) < s.min_trigger_batches:
-            return None
         if b_tilde < current:
+            if len(batches) < s.min_trigger_batches:
+                return None
             timed_out = sum(b.timed_out for b in batches)
             if timed_out >= s.timeout_fraction * len(batches):
                 return Decision(b_tilde, "timeouts", current, q_tilde)
         elif predicted_ms:
+            # The period's batches, or when batches are slow the last few of the rate window: a queue
+            # building behind 500 ms batches must not wait for five of them to fit in one second.
+            if len(batches) < s.min_trigger_batches:
+                horizon = self._last_batches[-1].at - s.rate_window_s if self._last_batches else 0.0
+                batches = [b for b in self._last_batches if b.at >= horizon]
+            if len(batches) < s.min_trigger_batches:
+                return None
             delay = statistics.median(b.queue_ms for b in batches)
             if delay > s.queue_delay_factor * predicted_ms:
                 return Decision(b_tilde, "queue delay", current, q_tilde)

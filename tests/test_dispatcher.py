@@ -594,3 +594,20 @@ def test_connection_loss_mid_batch_does_not_strand_requests(
     dispatched = [req.id for subs in queued(r, settings, dep).values() for sub in subs for req in sub]
     assert sorted(dispatched) == sorted(ids)
     assert pending(r, settings) == 0
+
+
+def test_the_dispatcher_reads_what_its_supervisors_measured_of_the_profile(r: redis.Redis, settings: Settings) -> None:
+    """A supervisor's served / profiled ratio reaches the estimator's capacities at the next heartbeat due."""
+    deploy(r, settings, [(1, 2)])
+    d = make_dispatcher(r, settings)
+    node = "n1"
+    d.capacity.budgets = {node: 2}  # what a supervisor's published part says (merged deployments carry it)
+    assert d.capacity.ratios == {}
+    r.hset(settings.keys.supervisor(MODEL, node), "profile_ratio", "1.9")
+    d._last_beat = d._ratios_read_at = 0.0
+    d.heartbeat()
+    assert d.capacity.ratios == {node: 1.9}
+    r.hset(settings.keys.supervisor(MODEL, node), "profile_ratio", "junk")
+    d._last_beat = d._ratios_read_at = 0.0
+    d.heartbeat()
+    assert d.capacity.ratios == {}, "an unreadable ratio is no ratio"

@@ -340,3 +340,32 @@ def test_a_queue_that_builds_moves_b_up_however_low_the_planned_utilisation() ->
         policy.record_batch(t, 1, False, 50.0 + 20.0 * k)
     d = policy.decide(t, 1, 8, 9.0, predicted_ms=20.0, capacity=CAPACITY.get)
     assert d is not None and d.batch == 8 and d.reason == "queue delay"
+
+
+def test_the_queue_delay_trigger_sees_slow_batches_too() -> None:
+    """Two 500 ms batches a second, each request waiting longer: five of them within the rate window suffice."""
+    policy = Policy()
+    policy.decide(0.0, 1, 1)
+    t = 0.0
+    decided = None
+    for k in range(10):
+        t += 0.5
+        policy.record_batch(t, 1, False, 300.0 + 400.0 * k)
+        decided = policy.decide(t, 1, 8, 9.0, predicted_ms=90.0, capacity=CAPACITY.get)
+        if decided is not None:
+            break
+    assert decided is not None and decided.reason == "queue delay"
+    assert t <= 3.0  # the fifth batch, not never
+
+
+def test_planned_capacity_follows_what_serving_measures(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from dispatcher.adaptive import PlannedCapacity
+    from optimizer.planning.profile import Profile, ProfileEntry
+
+    path = Profile(model="tiny", entries=(ProfileEntry(threads=8, batch=8, mean_ms=8.0),)).save(tmp_path / "p.json")
+    cap = PlannedCapacity("tiny", str(path))
+    cap.budgets = {"n1": 8, "n2": 8}
+    planned = cap(16)
+    assert planned == pytest.approx(16 / 0.008)
+    cap.ratios = {"n1": 2.0}  # n1 serves twice as slow as profiled, n2 not measured (1)
+    assert cap(16) == pytest.approx(planned / 2 / 2 + planned / 2)  # each node plans half of B
