@@ -101,6 +101,11 @@ class Settings(BaseSettings):
         description="Start the spare instances right after start-up (one at a time), so that even the first "
                     "reconfiguration is made from loaded instances; costs their memory from the start. "
                     "Unset: on for an adaptive deployment.")
+    prewarm_max_cpu: float = Field(
+        default=0.5, ge=0, le=1,
+        description="A spare is pre-started only while the machine's CPU use since the supervisor's previous "
+                    "check is at most this fraction: loading a model beside serving instances slows them. "
+                    "1: whenever one is missing.")
     spare_min_free_fraction: float = Field(
         default=0.1, ge=0, lt=1,
         description="A spare is kept or started only while the machine's available memory stays above this "

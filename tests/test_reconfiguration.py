@@ -415,3 +415,20 @@ def test_a_dead_retiree_does_not_stop_the_next_from_being_kept_as_a_spare(
     assert kept == [alive] and sup.spares == [alive] and len(sent) == 1
     assert alive.spec.spare and not dead.spec.spare
     sup.spares = []  # fakes: nothing for the fixture to stop
+
+
+def test_a_spare_is_prestarted_only_while_the_machine_is_quiet(
+        make: MakeSupervisor, monkeypatch: pytest.MonkeyPatch) -> None:
+    sup = make("sleep", "1x1", settings_update={"spare_instances": 1, "prewarm_spares": True})
+    started: list[str] = []
+    monkeypatch.setattr(sup, "_start_instance", lambda inst: started.append(inst.record.id))
+    monkeypatch.setattr(sup, "_room_for_spare", lambda: True)
+    use = iter([10.0, 90.0, 30.0])  # percent: first sample (no interval yet), busy, quiet
+    monkeypatch.setattr("workers.supervisor.psutil.cpu_percent", lambda interval=None: next(use))
+    sup._prewarm()
+    assert started == [], "the first sample has no interval behind it"
+    sup._prewarm()
+    assert started == [], "90% busy: serving instances would pay for the load"
+    sup._prewarm()
+    assert started == ["n1-spare-1"]
+    sup.spares = []  # never started: nothing for the fixture to stop

@@ -213,6 +213,7 @@ class Supervisor:
         #: Spare id -> the pid whose record said ``spare`` (loaded): read from Redis once per process.
         self._loaded: dict[str, int] = {}
         self._largest: int | None = None
+        self._cpu_sampled = False
         self.dispatcher = self._dispatcher() if with_dispatcher else None
         #: Whether the dispatcher's estimator chooses B (see ``dispatcher.estimation``).
         self.adaptive = adaptive
@@ -618,6 +619,9 @@ class Supervisor:
             return
         if loading or not self._room_for_spare():
             return  # one at a time: a start takes CPU from the instances serving
+        busy = self._cpu_busy()
+        if busy is None or busy > self.settings.prewarm_max_cpu:
+            return  # loading a model beside instances that serve slows them down: wait for a quiet moment
         cores = self.topology.cores
         pin = not self.topology.simulated
         cpus = [c.cpus[0] for c in cores if c.socket == cores[0].socket]
@@ -626,6 +630,18 @@ class Supervisor:
                                   spare=True)
         self._start_instance(inst)
         self.spares.append(inst)
+
+    def _cpu_busy(self) -> float | None:
+        """The machine's CPU use (0..1) since the previous call; None at the first (nothing to compare yet).
+
+        Pre-starting a spare loads a model (ResNet-50 traced in TorchScript: seconds of every core) beside
+        the instances that serve. On the 2-core development machine a spare prewarmed right after a
+        change, while a step of load was being served, slowed the serving instances several-fold.
+        """
+        busy = psutil.cpu_percent(interval=None) / 100.0
+        first = not self._cpu_sampled
+        self._cpu_sampled = True
+        return None if first else busy
 
     def _is_spare(self, inst: Instance) -> bool:
         """Whether a spare has loaded (its record says ``spare`` with its pid); one read per process."""
