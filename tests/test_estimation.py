@@ -351,7 +351,7 @@ def test_the_queue_delay_trigger_sees_slow_batches_too() -> None:
     for k in range(10):
         t += 0.5
         policy.record_batch(t, 1, False, 300.0 + 400.0 * k)
-        decided = policy.decide(t, 1, 8, 9.0, predicted_ms=90.0, capacity=CAPACITY.get)
+        decided = policy.decide(t, 1, 2, 2.5, predicted_ms=90.0, capacity=CAPACITY.get)  # B̃=2: only the trigger
         if decided is not None:
             break
     assert decided is not None and decided.reason == "queue delay"
@@ -369,3 +369,18 @@ def test_planned_capacity_follows_what_serving_measures(tmp_path) -> None:  # ty
     assert planned == pytest.approx(16 / 0.008)
     cap.ratios = {"n1": 2.0}  # n1 serves twice as slow as profiled, n2 not measured (1)
     assert cap(16) == pytest.approx(planned / 2 / 2 + planned / 2)  # each node plans half of B
+
+
+def test_an_estimate_four_times_b_moves_it_up_however_idle_the_rate_looks() -> None:
+    """A host slower than its profile: B=1 serves 3/s against a planned 50/s, and the stream holds 5."""
+    clock, est, policy = Clock(), Estimator(), Policy()
+    policy.decide(clock.t, 1, 1)
+    clock.t = dispatch_at(policy, clock.t, 3.0, 3.0, 1, False)
+    decided = None
+    for _ in range(200):
+        clock.t += 0.005
+        est.observe(5, 1)
+        decided = policy.decide(clock.t, 1, est.b_tilde, est.q_tilde, capacity=CAPACITY.get)
+        if decided is not None:
+            break
+    assert decided is not None and decided.batch == 4 and decided.reason == "estimate"
