@@ -175,6 +175,7 @@ class Adaptive:
         with self._lock:
             now = self.clock()
             self.estimator.observe(length, self.batch)
+            self.policy.record_length(now, length)
             if not self.adaptive or self.batch is None:
                 return None
             if self._requested is not None:

@@ -384,3 +384,19 @@ def test_an_estimate_four_times_b_moves_it_up_however_idle_the_rate_looks() -> N
         if decided is not None:
             break
     assert decided is not None and decided.batch == 4 and decided.reason == "estimate"
+
+
+def test_the_rate_counts_what_the_stream_grew_by() -> None:
+    """Dispatching 100/s while the stream grows by 60/s: 160 arrive, and B=16 (168/s) has no 20% to spare."""
+    policy = Policy()
+    policy.changed(0.0, 16, 32)
+    t, length = 5.0, 0
+    policy.record_length(t, length)
+    end = t + 3.0
+    while t < end:
+        t += 0.08
+        policy.record_batch(t, 8, True, 5.0)  # 100/s dispatched
+        length += 5  # 62.5/s left in the stream
+        policy.record_length(t, length)
+    assert policy.rate(t) == pytest.approx(162.5, rel=0.05)
+    assert policy.short_of_capacity(t, 16, CAPACITY.get)
