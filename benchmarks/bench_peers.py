@@ -164,7 +164,14 @@ def run_setup(setup: Setup, round_no: int, args: argparse.Namespace, workdir: Pa
 
 def _changes(history: list[dict[str, Any]]) -> list[str]:
     """Each reconfiguration as ``from -> to (reason)``: an adaptive setup's B under load and at idle."""
-    return [f"{e.get('from')} -> {e.get('to')} ({e.get('reason') or e.get('origin')})" for e in history]
+    return [f"{e.get('from')} -> {e.get('to')} ({e.get('reason') or e.get('origin')}; "
+            f"{e.get('kind', '?')}, {e.get('reused', 0)} from spares, {_took(e)})" for e in history]
+
+
+def _took(entry: dict[str, Any]) -> str:
+    """How long a change took (its history entry's ``total_s``: decision to old instances stopped)."""
+    total = entry.get("total_s")
+    return f"{total:.1f} s" if isinstance(total, (int, float)) else str(entry.get("status", "?"))
 
 
 def ratios(rows: list[dict[str, Any]], setups: list[Setup]) -> list[dict[str, Any]]:
@@ -235,9 +242,11 @@ def markdown(result: dict[str, Any]) -> str:
         configs = sorted({r["configuration"] for r in runs if r["setup"] == key and r.get("configuration")})
         chosen = f" → {', '.join(configs)}" if key in ("packrat-auto", "packrat-reserved") and configs else ""
         # An adaptive setup: the configurations it changed to under load (per round).
-        moved = [" ".join(c.split(" (")[0].split(" -> ")[1] for c in r.get("changes_under_load") or [])
+        moved = [" ".join(c.split(" (")[0].split(" -> ")[1]
+                          + (" in " + c.rsplit(", ", 1)[-1].rstrip(")") if " from spares, " in c else "")
+                          for c in r.get("changes_under_load") or [])
                  for r in runs if r["setup"] == key and "changes_under_load" in r]
-        went = f" → under load {' / '.join(m or 'no change' for m in moved)}" if moved else ""
+        went = f" → under load {' / '.join(m or 'no change' for m in moved)}" if any(moved) else ""
         return labels.get(key, key) + chosen + went
 
     out = [

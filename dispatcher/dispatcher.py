@@ -169,8 +169,12 @@ class Dispatcher:
             if ratio is not None and ratio > 0:
                 ratios[node] = min(max(round(ratio, 2), 0.25), 10.0)
         if ratios != self.capacity.ratios:
-            log.info("model %s: served / profiled latency by node %s; the estimator's capacities follow",
-                     self.model, ratios or "unknown")
+            # Said at INFO only when some node's ratio moved by more than 10% (it wanders every read).
+            moved = set(ratios) != set(self.capacity.ratios) or any(
+                abs(ratios[n] / self.capacity.ratios[n] - 1) > 0.1 for n in ratios)
+            (log.info if moved else log.debug)(
+                "model %s: served / profiled latency by node %s; the estimator's capacities follow",
+                self.model, ratios or "unknown")
             self.capacity.ratios = ratios
 
     def record(self, now: float | None = None) -> DispatcherState:
