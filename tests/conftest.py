@@ -11,6 +11,7 @@ wrong type) builds it from ``prefix`` too, e.g. ``f"{prefix}-other:..."``.
 from __future__ import annotations
 
 import os
+import signal
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,13 @@ import pytest
 import redis
 
 from packrat_mq.connection import EmbeddedRedis, connect
+
+# A shell that starts a job in the background without job control (`make test &`, nohup under
+# `bash -c`) hands it SIGINT ignored, and every process it starts inherits that: the tests of
+# Ctrl-C then fail for the way they were started. A handler of our own is reset to the default
+# across exec, so the processes the tests start get Ctrl-C as a terminal would give it.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 from packrat_mq.settings import Settings
 
 
