@@ -68,18 +68,24 @@ class PlannedCapacity:
         #: Per node, served / profiled latency as its supervisor measures it (``optimizer.planning.drift``):
         #: a node serving 1.9x slower than its profile carries 1/1.9 of the planned load. 1 where unknown.
         self.ratios: dict[str, float] = {}
-        self._cache: dict[tuple[Any, ...], float | None] = {}
+        #: Per (B, budgets, mode): each node's planned capacity (requests/s), None where no plan says.
+        #: The ratios are applied at each call: they move every few seconds, the plans do not.
+        self._cache: dict[tuple[Any, ...], dict[str, float] | None] = {}
 
     def __call__(self, batch: int) -> float | None:
         if not self.profile or not self.budgets:
             return None
-        key = (batch, tuple(sorted(self.budgets.items())), self.mode, tuple(sorted(self.ratios.items())))
+        key = (batch, tuple(sorted(self.budgets.items())), self.mode)
         if key not in self._cache:
             self._cache[key] = self._plan(batch)
-        return self._cache[key]
+        planned = self._cache[key]
+        if planned is None:
+            return None
+        return sum(cap / self.ratios.get(node, 1.0) for node, cap in planned.items()) or None
 
-    def _plan(self, batch: int) -> float | None:
-        total = 0.0
+    def _plan(self, batch: int) -> dict[str, float] | None:
+        """Each node's ``share / L`` for B=``batch``, by the plan its supervisor would make; None if any has none."""
+        planned = {}
         for node, threads in self.budgets.items():
             share = node_share(batch, self.budgets, node)
             if share <= 0:
@@ -92,8 +98,8 @@ class PlannedCapacity:
                 return None
             if not latency:
                 return None
-            total += share / (latency / 1000.0) / self.ratios.get(node, 1.0)
-        return total or None
+            planned[node] = share / (latency / 1000.0)
+        return planned
 
 
 @dataclass(frozen=True)
