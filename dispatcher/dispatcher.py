@@ -159,13 +159,11 @@ class Dispatcher:
         nodes = list(self.capacity.budgets)
         pipe = self.r.pipeline(transaction=False)
         for node in nodes:
-            pipe.hget(self.keys.supervisor(self.model, node), "profile_ratio")
+            pipe.hgetall(self.keys.supervisor(self.model, node))
         ratios = {}
         for node, raw in zip(nodes, pipe.execute()):
-            try:
-                ratio = float(raw) if raw else None
-            except ValueError:
-                ratio = None
+            record = SupervisorState.parse(raw)  # an unreadable ratio parses as none
+            ratio = record.profile_ratio if record is not None else None
             if ratio is not None and ratio > 0:
                 ratios[node] = min(max(round(ratio, 2), 0.25), 10.0)
         if ratios != self.capacity.ratios:
