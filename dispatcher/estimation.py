@@ -197,14 +197,13 @@ class Policy:
 
     def __post_init__(self) -> None:
         self.timeout_s = self.settings.reconfigure_timeout_s
+        self._last_batches = deque(maxlen=self.settings.min_trigger_batches)
 
     # --- what the dispatcher sees ---------------------------------------
     def record_batch(self, now: float, size: int, timed_out: bool, queue_ms: float) -> None:
         """One dispatched batch: its size, whether the timeout cut it short, its oldest request's wait."""
         self._batches.append(_Batch(now, size, timed_out, queue_ms))
         self._last_batches.append(self._batches[-1])
-        while len(self._last_batches) > self.settings.min_trigger_batches:
-            self._last_batches.popleft()
         self._flow.append((now, size))
         if self._flow_since is None:
             self._flow_since = now
