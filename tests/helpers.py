@@ -69,6 +69,24 @@ def terminate_all(procs: list[subprocess.Popen[Any]], timeout: float = 30.0) -> 
             proc.kill()
 
 
+def stop_supervisors(supervisors: list[Any], timeout: float, *, only_if_running: bool = False) -> None:
+    """A fixture's teardown: stop each supervisor in order, then SIGKILL whatever of its processes is left.
+
+    ``only_if_running``: skip the orderly stop of a supervisor none of whose processes runs (one whose
+    start failed).
+    """
+    for sup in supervisors:
+        if not only_if_running or any(c.running() for c in sup.children):
+            try:
+                sup.stop(timeout=timeout)
+            except Exception:  # noqa: BLE001 - the kill below still runs
+                pass
+        for child in sup.children:
+            if child.process is not None and child.process.poll() is None:
+                child.process.kill()
+                child.process.wait()
+
+
 def hand_out(r: Any, keys: Any, model: str, instance_id: str, requests: list[Any], batch_id: str = "b1") -> bytes:
     """Do what the dispatcher does for one sub-batch, for tests that drive a worker directly.
 

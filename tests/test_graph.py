@@ -19,6 +19,7 @@ from packrat_mq.handler import BaseHandler, Context, load_handler, run_batch
 from packrat_mq.instances import Configuration
 from packrat_mq.settings import Settings
 from tests.cli_run import Started, assert_one_line_failure, run_cli
+from tests.helpers import stop_supervisors
 from workers.runtime import RuntimeSpec
 from workers.supervisor import Supervisor
 
@@ -151,15 +152,7 @@ def test_inputs_without_a_batch_dimension_are_refused() -> None:
 def supervisors() -> Iterator[list[Supervisor]]:
     made: list[Supervisor] = []
     yield made
-    for sup in made:
-        try:
-            sup.stop(timeout=3)
-        except Exception:  # noqa: BLE001 - kill what is left below
-            pass
-        for child in sup.children:
-            if child.process is not None and child.process.poll() is None:
-                child.process.kill()
-                child.process.wait()
+    stop_supervisors(made, 3)
 
 
 @pytest.mark.timeout(180)

@@ -24,7 +24,7 @@ from packrat_mq.instances import Configuration
 from packrat_mq.records import DispatcherState, SupervisorState
 from packrat_mq.settings import Settings
 from packrat_mq.topology import Topology
-from tests.helpers import wait_for
+from tests.helpers import stop_supervisors, wait_for
 from workers.reconfiguration import plan_change
 from workers.supervisor import Supervisor
 
@@ -72,15 +72,7 @@ def make(r: redis.Redis, settings: Settings, redis_url: str) -> Iterator[MakeSup
         return sup
 
     yield build
-    for sup in made:
-        try:
-            sup.stop(timeout=5)
-        except Exception:  # noqa: BLE001 - the kill below still runs
-            pass
-        for child in sup.children:
-            if child.process is not None and child.process.poll() is None:
-                child.process.kill()
-                child.process.wait()
+    stop_supervisors(made, 5)
 
 
 class Load:

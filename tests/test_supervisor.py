@@ -22,7 +22,7 @@ from packrat_mq.instances import Configuration
 from packrat_mq.keys import DISPATCHER_GROUP, WORKER_GROUP
 from packrat_mq.records import DispatcherState, InstanceState, SupervisorState, ttl_for
 from packrat_mq.settings import Settings
-from tests.helpers import wait_for
+from tests.helpers import stop_supervisors, wait_for
 from workers import supervisor as supervisor_module
 from workers.supervisor import Child, Supervisor
 
@@ -48,16 +48,7 @@ def make(r: redis.Redis, settings: Settings, redis_url: str) -> Iterator[MakeSup
         return sup
 
     yield build
-    for sup in made:
-        if any(c.running() for c in sup.children):
-            try:
-                sup.stop(timeout=3)
-            except Exception:  # noqa: BLE001 - the kill below still runs
-                pass
-        for child in sup.children:
-            if child.process is not None and child.process.poll() is None:
-                child.process.kill()
-                child.process.wait()
+    stop_supervisors(made, 3, only_if_running=True)
 
 
 def replies_by_id(r: redis.Redis, reply_to: str) -> Counter[str]:
