@@ -21,7 +21,7 @@ against reconfiguration storms:
 - **Decide** (:class:`Policy`): when ``B̃ ≠ B`` has held for the whole
   reconfiguration timeout (1 s; 0.25 s for a larger B: up is quick, down is
   slow), change to ``B̃``. Guard 2, damping: a change
-  that undoes the previous one within ``flap_window_s`` doubles the timeout
+  that reverses the direction of the previous one within ``flap_window_s`` doubles the timeout
   (up to ``max_timeout_s``); only ``max_timeout_s`` of the estimate agreeing
   with B throughout restores it (a load alternating faster than the damped
   timeout never does, and is served with one configuration). Two more triggers, as the design has them, act on what
@@ -43,8 +43,9 @@ up: a limit cycle under a steady load, which the first benchmark showed
 (32 → 16 → 32 five times in 19 s at 95% of B=16's capacity).
 
 A fourth, against going up for nothing: the estimate alone moves B up only
-while the current B is busy, the recent dispatch rate at least
-``up_utilisation`` (60%) of its planned capacity. In steady state a stream
+while the current B is busy: the arrivals of the rate window at least
+``up_utilisation`` (60%) of its planned capacity, or those of the last second
+its whole capacity (see :meth:`Policy.busy`). In steady state a stream
 length of 2 at B=1 needs about 77% utilisation (M/D/1), so this keeps every
 move up a load asks for; what it stops is a short Poisson burst at low load
 (Q̃, smoothed over 50 ms, rises within one 90 ms ResNet-50 batch) and the
@@ -234,8 +235,11 @@ class Policy:
     def changed(self, now: float, old: int, new: int) -> None:
         """A reconfiguration from ``old`` to ``new`` took effect (whoever asked for it)."""
         s = self.settings
+        # A reversal of direction, not only of the exact change: an idle ResNet-50 on two cores went
+        # 1 -> 2 -> 4 -> 1 -> 2 -> 16 -> 2 in 15 s, which no change undoing its predecessor damps.
         if (self.last_change is not None and self.last_change_at is not None
-                and self.last_change == (new, old) and now - self.last_change_at <= s.flap_window_s):
+                and (new > old) != (self.last_change[1] > self.last_change[0])
+                and now - self.last_change_at <= s.flap_window_s):
             self.timeout_s = min(self.timeout_s * 2, s.max_timeout_s)
         self.last_change = (old, new)
         self.last_change_at = now
@@ -267,6 +271,24 @@ class Policy:
                  + self._growth(now - s.trigger_period_s)) / s.trigger_period_s
         return max(long, short)
 
+    def arrivals(self, now: float, window: float) -> float:
+        """Requests that arrived per second over the last ``window``: dispatched, plus the stream's change in length.
+
+        Unlike :meth:`rate` a shrinking stream counts against the dispatches:
+        ``XLEN`` holds every request not yet answered, so a backlog drained
+        right after a stall (a reconfiguration's over-subscribed seconds)
+        is dispatched fast while the stream shrinks by as much; what is left
+        is what arrived. The up guard reads this, where an over-estimate
+        moves B for nothing.
+        """
+        since = now - window
+        dispatched = sum(size for at, size in self._flow if at >= since)
+        change = 0
+        if self._lengths:
+            then = next((length for at, length in self._lengths if at >= since), self._lengths[-1][1])
+            change = self._lengths[-1][1] - then
+        return max(0.0, (dispatched + change) / window)
+
     def short_of_capacity(self, now: float, batch: int, capacity: Callable[[int], float | None] | None) -> bool:
         """Whether ``batch`` could not serve the recent dispatch rate with the margin to spare."""
         if capacity is None:
@@ -279,15 +301,28 @@ class Policy:
         return rate is None or rate > (1 - self.settings.capacity_margin) * cap
 
     def busy(self, now: float, batch: int, capacity: Callable[[int], float | None] | None) -> bool:
-        """Whether ``batch`` is loaded enough that a larger B may pay: the recent rate ≥ ``up_utilisation`` × its capacity.
+        """Whether ``batch`` is loaded enough that a larger B may pay.
 
-        Unknown (no capacity, no rate yet) counts as busy: the estimate alone decides, as before.
+        Busy: the arrivals of the rate window (5 s) are at least
+        ``up_utilisation`` × its capacity, or those of the last trigger period
+        (1 s) reach its whole capacity. A second's arrivals against the 60%
+        bar would be no guard: a Poisson burst that lifts the estimate is the
+        same burst that lifts that second's count (at 2.7 requests/s against
+        B=1's 8.4, a second holds 6 or more 6% of the time, and every one of
+        those seconds had Q̃ high too: seven changes in a minute of idle,
+        docs/figures.md). A real step up reaches the whole capacity within
+        the second.
+
+        Unknown (no capacity, or less than one trigger period watched) counts
+        as busy: the estimate alone decides, as before.
         """
         cap = capacity(batch) if capacity is not None else None
-        rate = self.rate(now)
-        if cap is None or rate is None:
+        s = self.settings
+        if cap is None or self._flow_since is None or now - self._flow_since < s.trigger_period_s:
             return True
-        return rate >= self.settings.up_utilisation * cap
+        span = min(s.rate_window_s, now - self._flow_since)
+        return (self.arrivals(now, span) >= s.up_utilisation * cap
+                or self.arrivals(now, s.trigger_period_s) >= cap)
 
     def decide(self, now: float, current: int, b_tilde: int | None, q_tilde: float | None = None,
                predicted_ms: float | None = None,

@@ -314,9 +314,12 @@ def test_a_burst_at_low_load_does_not_move_b_up() -> None:
         est.observe(3, 1)
         assert policy.decide(clock.t, 1, est.b_tilde, est.q_tilde, capacity=CAPACITY.get) is None
     assert est.b_tilde == 2
-    # The same estimate at 45 req/s (90% of B=1's capacity): up.
-    t = dispatch_at(policy, clock.t, 2.0, 45.0, 1, False)
+    # The same estimate at 45 req/s (90% of B=1's capacity): up, once the 5 s window is 60% busy.
+    t = dispatch_at(policy, clock.t, 1.0, 45.0, 1, False)
     clock.t = t
+    est.observe(3, 1)
+    assert policy.decide(clock.t, 1, est.b_tilde, est.q_tilde, capacity=CAPACITY.get) is None  # 32% of 5 s
+    clock.t = dispatch_at(policy, clock.t, 2.5, 45.0, 1, False)
     est.observe(3, 1)
     d = policy.decide(clock.t, 1, est.b_tilde, est.q_tilde, capacity=CAPACITY.get)
     assert d is not None and d.batch == 2 and d.reason == "estimate"
@@ -400,3 +403,58 @@ def test_the_rate_counts_what_the_stream_grew_by() -> None:
         policy.record_length(t, length)
     assert policy.rate(t) == pytest.approx(162.5, rel=0.05)
     assert policy.short_of_capacity(t, 16, CAPACITY.get)
+
+
+def test_a_second_at_full_capacity_moves_b_up_at_once() -> None:
+    """After 4 s at 12 req/s, one second of 55/s (over B=1's 50/s) is a step, not a burst: up."""
+    clock, est, policy = Clock(), Estimator(), Policy()
+    policy.decide(clock.t, 1, 1)
+    clock.t = dispatch_at(policy, clock.t, 4.0, 12.0, 1, False)
+    clock.t = dispatch_at(policy, clock.t, 1.0, 55.0, 1, False)
+    assert policy.busy(clock.t, 1, CAPACITY.get)
+    for k in range(60):  # the load goes on (60/s) while the estimate dwells
+        clock.t += 0.005
+        if k % 3 == 0:
+            policy.record_batch(clock.t, 1, False, 5.0)
+        est.observe(3, 1)
+        d = policy.decide(clock.t, 1, est.b_tilde, est.q_tilde, capacity=CAPACITY.get)
+        if d is not None:
+            break
+    assert d is not None and d.batch == 2
+
+
+def test_a_backlog_drained_after_a_stall_is_not_read_as_load() -> None:
+    """12 req/s, a 2 s stall (a reconfiguration) and the 24 requests it held drained in 0.2 s: still 12/s."""
+    policy = Policy()
+    policy.decide(0.0, 1, 1)
+    t, length = 0.0, 0
+    while t < 3.0:  # 12/s, each answered before the next arrives
+        t += 1 / 12
+        policy.record_batch(t, 1, False, 5.0)
+        policy.record_length(t, 1)
+    while t < 5.0:  # the stall: nothing dispatched, the stream grows
+        t += 1 / 12
+        length += 1
+        policy.record_length(t, length)
+    for _ in range(length):  # the drain: 24 dispatched in 0.2 s as the stream empties
+        t += 0.2 / 24
+        length -= 1
+        policy.record_batch(t, 1, False, 2000.0)
+        policy.record_length(t, length)
+    assert policy.arrivals(t, 1.0) == pytest.approx(12.0, abs=3.0)
+    assert not policy.busy(t, 1, CAPACITY.get)  # 12/s against B=1's 50/s
+    assert policy.rate(t) > 20.0  # the down guard's rate stays cautious: a drain is load for a smaller B
+
+
+def test_reversals_of_direction_are_damped_not_only_exact_undos() -> None:
+    """1 -> 2 -> 4 -> 1 -> 2 within seconds (as an idle ResNet-50 did): each reversal doubles the timeout."""
+    policy = Policy()
+    policy.changed(0.0, 1, 2)
+    policy.changed(1.0, 2, 4)
+    assert policy.timeout_s == 1.0  # same direction: no damping
+    policy.changed(3.0, 4, 1)
+    assert policy.timeout_s == 2.0
+    policy.changed(5.0, 1, 2)
+    assert policy.timeout_s == 4.0
+    policy.changed(40.0, 2, 1)  # a reversal long after (beyond the 30 s window): not a flap
+    assert policy.timeout_s == 4.0

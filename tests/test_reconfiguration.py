@@ -415,12 +415,27 @@ def test_a_spare_is_prestarted_only_while_the_machine_is_quiet(
     started: list[str] = []
     monkeypatch.setattr(sup, "_start_instance", lambda inst: started.append(inst.record.id))
     monkeypatch.setattr(sup, "_room_for_spare", lambda: True)
-    use = iter([10.0, 90.0, 30.0])  # percent: first sample (no interval yet), busy, quiet
+    use = iter([10.0, 90.0, 30.0, 30.0])  # percent: first sample (no window yet), busy, quiet
     monkeypatch.setattr("workers.supervisor.psutil.cpu_percent", lambda interval=None: next(use))
+
+    def window_of(seconds: float) -> None:  # the current CPU window began this long ago
+        sup._cpu_window_at = time.monotonic() - seconds
+
     sup._prewarm()
-    assert started == [], "the first sample has no interval behind it"
+    assert started == [], "the first sample has no window behind it"
+    sup._prewarm()
+    assert started == [], "a window shorter than PREWARM_CPU_WINDOW_S says nothing yet"
+    window_of(2.5)
     sup._prewarm()
     assert started == [], "90% busy: serving instances would pay for the load"
+    window_of(60.0)
+    sup._prewarm()
+    assert started == [], "a window left open for a minute is not recent: it starts again"
+    window_of(2.5)
+    sup._unsettled_until = time.monotonic() + 5.0
+    sup._prewarm()
+    assert started == [], "a change just ended: the machine settles first"
+    sup._unsettled_until = 0.0
     sup._prewarm()
     assert started == ["n1-spare-1"]
     sup.spares = []  # never started: nothing for the fixture to stop

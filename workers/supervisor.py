@@ -57,6 +57,16 @@ log = logging.getLogger("packrat_mq.supervisor")
 #: How often a supervisor holds what its instances serve against the profile (seconds).
 PROFILE_CHECK_S = 10.0
 
+#: Seconds after a reconfiguration ends during which the machine is not taken as it serves: no spare is
+#: pre-started and no profile check is made. The change's over-subscribed seconds leave slow batches in
+#: the instances' medians and a backlog to drain; an idle ResNet-50 on two cores read "served 9.3x the
+#: profile" just after one, and a spare pre-started at once slowed the next seconds' batches again.
+SETTLE_S = 10.0
+
+#: The shortest window the machine's CPU use is averaged over before a spare is pre-started: over one
+#: supervision tick (tens of milliseconds) an instance serving a third of the time reads idle most ticks.
+PREWARM_CPU_WINDOW_S = 2.0
+
 
 #: How often supervision checks while a reconfiguration is in progress (its phases are short).
 CHANGE_POLL_S = 0.02
@@ -213,7 +223,10 @@ class Supervisor:
         #: Spare id -> the pid whose record said ``spare`` (loaded): read from Redis once per process.
         self._loaded: dict[str, int] = {}
         self._largest: int | None = None
-        self._cpu_sampled = False
+        #: When the current CPU-use window began (monotonic; None: no window yet).
+        self._cpu_window_at: float | None = None
+        #: Monotonic time before which the machine is settling after a change (see ``SETTLE_S``).
+        self._unsettled_until = 0.0
         self.dispatcher = self._dispatcher() if with_dispatcher else None
         #: Whether the dispatcher's estimator chooses B (see ``dispatcher.estimation``).
         self.adaptive = adaptive
@@ -617,8 +630,8 @@ class Supervisor:
             prewarm = self.adaptive
         if not prewarm or self.change is not None or len(self.spares) >= self.spare_cap():
             return
-        if loading or not self._room_for_spare():
-            return  # one at a time: a start takes CPU from the instances serving
+        if loading or not self._room_for_spare() or time.monotonic() < self._unsettled_until:
+            return  # one at a time, and not right after a change: a start takes CPU from the instances serving
         busy = self._cpu_busy()
         if busy is None or busy > self.settings.prewarm_max_cpu:
             return  # loading a model beside instances that serve slows them down: wait for a quiet moment
@@ -632,16 +645,30 @@ class Supervisor:
         self.spares.append(inst)
 
     def _cpu_busy(self) -> float | None:
-        """The machine's CPU use (0..1) since the previous call; None at the first (nothing to compare yet).
+        """The machine's CPU use (0..1) over the window just ended; None while a window is still open.
+
+        A window lasts at least ``PREWARM_CPU_WINDOW_S``; one left open longer than three windows (no
+        spare was wanted meanwhile) is started again, so the figure is always recent.
 
         Pre-starting a spare loads a model (ResNet-50 traced in TorchScript: seconds of every core) beside
         the instances that serve. On the 2-core development machine a spare prewarmed right after a
         change, while a step of load was being served, slowed the serving instances several-fold.
         """
-        busy = psutil.cpu_percent(interval=None) / 100.0
-        first = not self._cpu_sampled
-        self._cpu_sampled = True
-        return None if first else busy
+        now = time.monotonic()
+        began = self._cpu_window_at
+        if began is not None and now - began < PREWARM_CPU_WINDOW_S:
+            return None
+        busy = psutil.cpu_percent(interval=None) / 100.0  # since the previous call: the window's start
+        self._cpu_window_at = now
+        if began is None or now - began > 3 * PREWARM_CPU_WINDOW_S:
+            return None
+        return busy
+
+    def settled(self) -> bool:
+        """No change in progress or just ended, and no spare loading: the instances serve as they will."""
+        if self.change is not None or time.monotonic() < self._unsettled_until:
+            return False
+        return all(self._is_spare(i) for i in self.spares)
 
     def _is_spare(self, inst: Instance) -> bool:
         """Whether a spare has loaded (its record says ``spare`` with its pid); one read per process."""
@@ -715,6 +742,7 @@ class Supervisor:
             log.info("reconfigured %s to %s (generation %d) in %.2f s", self.model, change.target.compact(),
                      change.generation, summary["total_s"] or 0.0)
         self.change = None
+        self._unsettled_until = time.monotonic() + SETTLE_S
         if change.message is not None:
             self._reply(change.message, result=summary if change.error is None else None, error=change.error)
         self._beat()
@@ -797,7 +825,7 @@ class Supervisor:
         self.poll_control()
         self._advance()
         self._prewarm()
-        if time.monotonic() - self._profile_checked_at >= PROFILE_CHECK_S:
+        if time.monotonic() - self._profile_checked_at >= PROFILE_CHECK_S and self.settled():
             self.check_profile()
         self._beat()
         return restarted
