@@ -15,7 +15,8 @@ from B=1, spare instances loaded from the start), ``adaptive-no-prewarm``
 with the same batch wait (50 ms, as the peers benchmark). Rates come from the
 model's profile: the capacity of batch B is ``B / L(B)``, with ``L(B)`` the
 optimizer's predicted latency for (T, B), and the rate "whose ideal batch is
-B" lies between the capacities of B/2 and B.
+B" lies between the capacities of B/2 and B. ``--rate-scale`` scales them all,
+for a host that serves slower (or faster) than its profile says.
 
 Recorded: every request's send and reply time (so lost and duplicated
 replies show), the dispatcher's B, Q̃ and the backlog every 100 ms, and the
@@ -519,6 +520,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="T (default: one socket, or the simulated cores)")
     p.add_argument("--unit", type=float, default=15.0, help="seconds of one diurnal step; other phases take 2 units")
     p.add_argument("--time-scale", type=float, default=1.0, help="the profiled model's time_scale (for the rates)")
+    p.add_argument("--rate-scale", type=float, default=1.0,
+                   help="multiply the profile's capacities (and so every rate of the trace) by this: on a host "
+                        "slower than its profile (`status` says \"served 1.3x the profile\"), 1/1.3 keeps the "
+                        "trace's phases at the loads they are meant to be instead of past saturation")
     p.add_argument("--setups", default="adaptive,static-1,static-32")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--name", default=None)
@@ -536,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
         args.option.append(f"time_scale={args.time_scale}")
     caps = capacities(args.model, args.threads, profile, args.graph,
                       args.time_scale if args.model == "profiled" else 1.0)
+    caps = {b: c * args.rate_scale for b, c in caps.items()}
     phases, notes = trace(caps, args.unit)
     for note in notes:
         print(f"note: {note}", flush=True)
@@ -548,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         "title": f"{name}: T={args.threads}, batch wait {BATCH_WAIT_MS:g} ms",
         "model": args.model, "threads": args.threads, "simulate_cores": args.simulate_cores,
         "profile": str(resolve_profile_path(profile or args.model, mode=args.graph)) if (profile or args.model) else None,
-        "capacities": caps, "phases": [ph.__dict__ for ph in phases], "trace_notes": notes, "setups": {},
+        "capacities": caps, "rate_scale": args.rate_scale, "phases": [ph.__dict__ for ph in phases], "trace_notes": notes, "setups": {},
         "machine": Topology.detect().summary(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     with EmbeddedRedis(announce=False) as server:

@@ -38,6 +38,9 @@ from typing import Any
 BACKENDS: tuple[str, ...] = ("torchscript", "compile", "export", "aoti")
 #: Backends that compile C++ when an instance starts (tens of seconds for the zoo's models).
 COMPILING: tuple[str, ...] = ("compile", "aoti")
+#: Backends whose graph, built at one batch size, runs at any other as it is (a trace records the
+#: operations, not the sizes); the others are built for one size (see :class:`_StaticBatch`).
+ANY_BATCH: tuple[str, ...] = ("torchscript",)
 #: Every concrete mode an instance can run in.
 MODES: tuple[str, ...] = ("eager", *BACKENDS)
 #: What ``--graph`` alone means: the backend measured fastest in steady state for every zoo model

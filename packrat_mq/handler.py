@@ -94,14 +94,23 @@ class BaseHandler:
         Called by a reconfiguration that re-uses a loaded (spare) instance
         instead of starting a process; torch's pools are already resized.
         The default keeps the model, except in graph mode when the batch
-        size changes: a graph is traced at one size, so the model is loaded
-        and traced again (still cheaper than a new process). Override it if
-        the handler keeps anything that depends on the thread count.
+        size changes under a backend built for one size (``compile``,
+        ``export``, ``aoti``: :data:`packrat_mq.graph.ANY_BATCH` says which
+        are not): the model is loaded and built again at the new size (still
+        cheaper than a new process). A TorchScript trace runs at any size and
+        is kept: tracing ResNet-50 again took 2.7-4.3 s of a core while the
+        old instances served on the same cores, and the trace at b=1 ran b=4
+        in the same time as one traced at 4 (533.8 against 538.2 ms, same
+        outputs; docs/decisions.md). Override it if the handler keeps
+        anything that depends on the thread count.
         """
         old = self.context
         self.context = context
-        if context.graph_mode and self.traceable and (old is None or old.batch_size != context.batch_size
-                                                      or not old.graph_mode):
+        backend = context.graph_mode
+        if not backend or not self.traceable:
+            return
+        if (old is None or old.graph_mode != backend
+                or (old.batch_size != context.batch_size and backend not in graph.ANY_BATCH)):
             self.model = self.prepare(self.load_model(context))
 
     def prepare(self, model: Any) -> Any:

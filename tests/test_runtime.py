@@ -101,8 +101,10 @@ def test_resize_retargets_a_loaded_handler_without_reloading() -> None:
 
 
 @pytest.mark.slow
-def test_rebind_repins_rethreads_and_retraces_a_loaded_instance() -> None:
-    """A spare moved in place: new cpus, torch's intra-op pool resized, a graph traced again at the new B."""
+@pytest.mark.parametrize(("backend", "rebuilt"), [("export", True), ("torchscript", False)])
+def test_rebind_repins_rethreads_and_retraces_a_loaded_instance(backend: str, rebuilt: bool) -> None:
+    """A spare moved in place: new cpus, torch's intra-op pool resized, a graph built for one size built
+    again at the new B; a TorchScript trace, which runs at any size, kept."""
     pytest.importorskip("torch")
     cpus = sorted(os.sched_getaffinity(0))
     code = (
@@ -116,6 +118,6 @@ def test_rebind_repins_rethreads_and_retraces_a_loaded_instance() -> None:
         "h.context.batch_size, h.context.threads, id(h.model) != before[2], len(out)]))"
     )
     spec = RuntimeSpec(model="tiny", handler="tests.supervisor_handlers:TinyTorch", instance_id="t0", threads=1,
-                       batch=2, cpus=[cpus[0]], graph_mode=True)
+                       batch=2, cpus=[cpus[0]], graph_mode=backend)
     got = json.loads(_run_child(code, spec.model_dump()))
-    assert got == [[1, 2], len(cpus), cpus, 3, len(cpus), True, 3]
+    assert got == [[1, 2], len(cpus), cpus, 3, len(cpus), rebuilt, 3]

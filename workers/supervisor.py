@@ -630,11 +630,16 @@ class Supervisor:
             prewarm = self.adaptive
         if not prewarm or self.change is not None or len(self.spares) >= self.spare_cap():
             return
-        if loading or not self._room_for_spare() or time.monotonic() < self._unsettled_until:
-            return  # one at a time, and not right after a change: a start takes CPU from the instances serving
-        busy = self._cpu_busy()
-        if busy is None or busy > self.settings.prewarm_max_cpu:
-            return  # loading a model beside instances that serve slows them down: wait for a quiet moment
+        if loading or not self._room_for_spare():
+            return  # one at a time: a start takes CPU from the instances serving
+        # A simulated topology's cores are labels: this machine's CPU use says nothing of them, and its
+        # models (sleep, profiled) load in a fraction of a second of one core.
+        if not self.topology.simulated:
+            if time.monotonic() < self._unsettled_until:
+                return  # right after a change: the instances have a backlog to drain first
+            busy = self._cpu_busy()
+            if busy is None or busy > self.settings.prewarm_max_cpu:
+                return  # loading a model beside instances that serve slows them down: wait for a quiet moment
         cores = self.topology.cores
         pin = not self.topology.simulated
         cpus = [c.cpus[0] for c in cores if c.socket == cores[0].socket]
