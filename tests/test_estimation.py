@@ -446,15 +446,12 @@ def test_a_backlog_drained_after_a_stall_is_not_read_as_load() -> None:
     assert policy.rate(t) > 20.0  # the down guard's rate stays cautious: a drain is load for a smaller B
 
 
-def test_reversals_of_direction_are_damped_not_only_exact_undos() -> None:
-    """1 -> 2 -> 4 -> 1 -> 2 within seconds (as an idle ResNet-50 did): each reversal doubles the timeout."""
+def test_only_the_exact_undo_is_damped() -> None:
+    """1 -> 2 -> 4 -> 1 -> 2: no change undoes its predecessor, so none doubles the timeout (a ramp down and a
+    step back up must not wait a damped timeout); 2 -> 1 right after 1 -> 2 does."""
     policy = Policy()
-    policy.changed(0.0, 1, 2)
-    policy.changed(1.0, 2, 4)
-    assert policy.timeout_s == 1.0  # same direction: no damping
-    policy.changed(3.0, 4, 1)
+    for at, (old, new) in enumerate([(1, 2), (2, 4), (4, 1), (1, 2)]):
+        policy.changed(float(at), old, new)
+    assert policy.timeout_s == 1.0
+    policy.changed(5.0, 2, 1)
     assert policy.timeout_s == 2.0
-    policy.changed(5.0, 1, 2)
-    assert policy.timeout_s == 4.0
-    policy.changed(40.0, 2, 1)  # a reversal long after (beyond the 30 s window): not a flap
-    assert policy.timeout_s == 4.0
