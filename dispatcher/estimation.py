@@ -217,12 +217,16 @@ class Policy:
         while len(self._lengths) > 1 and self._lengths[1][0] <= horizon:
             self._lengths.popleft()
 
-    def _growth(self, since: float) -> int:
-        """How much the stream grew since ``since`` (by the samples), never less than 0."""
+    def _length_change(self, since: float) -> int:
+        """How much the stream's length changed since ``since`` (by the samples; negative if it shrank)."""
         if not self._lengths:
             return 0
         then = next((length for at, length in self._lengths if at >= since), self._lengths[-1][1])
-        return max(0, self._lengths[-1][1] - then)
+        return self._lengths[-1][1] - then
+
+    def _growth(self, since: float) -> int:
+        """How much the stream grew since ``since``, never less than 0."""
+        return max(0, self._length_change(since))
 
     def _forget(self, now: float) -> None:
         horizon = now - self.settings.trigger_period_s
@@ -283,11 +287,7 @@ class Policy:
         """
         since = now - window
         dispatched = sum(size for at, size in self._flow if at >= since)
-        change = 0
-        if self._lengths:
-            then = next((length for at, length in self._lengths if at >= since), self._lengths[-1][1])
-            change = self._lengths[-1][1] - then
-        return max(0.0, (dispatched + change) / window)
+        return max(0.0, (dispatched + self._length_change(since)) / window)
 
     def short_of_capacity(self, now: float, batch: int, capacity: Callable[[int], float | None] | None) -> bool:
         """Whether ``batch`` could not serve the recent dispatch rate with the margin to spare."""
@@ -308,10 +308,10 @@ class Policy:
         (1 s) reach its whole capacity. A second's arrivals against the 60%
         bar would be no guard: a Poisson burst that lifts the estimate is the
         same burst that lifts that second's count (at 2.7 requests/s against
-        B=1's 8.4, a second holds 6 or more 6% of the time, and every one of
-        those seconds had Q̃ high too: seven changes in a minute of idle,
-        docs/figures.md). A real step up reaches the whole capacity within
-        the second.
+        B=1's 8.4, a second holds 6 or more 6% of the time, and such seconds
+        are the ones with Q̃ high: an idle ResNet-50 on two cores went
+        1 → 2 → 4 → 1 → 2 → 16 → 2 in 15 s, docs/decisions.md). A real step
+        up reaches the whole capacity within the second.
 
         Unknown (no capacity, or less than one trigger period watched) counts
         as busy: the estimate alone decides, as before.
