@@ -263,17 +263,27 @@ class Policy:
         None before one trigger period has been watched.
         """
         self._forget(now)
-        s = self.settings
-        if self._flow_since is None or now - self._flow_since < s.trigger_period_s:
+        span = self._span(now)
+        if span is None:
             return None
         # Arrivals, not only what was dispatched: a dispatcher or instances that cannot keep up
         # dispatch less than arrives, and the difference stays in the stream (the second 16-core
         # run, on a slowed host, went 32 -> 16 -> 32 five times under a steady load for it).
-        span = min(s.rate_window_s, now - self._flow_since)
-        long = (sum(size for _, size in self._flow) + self._growth(now - span)) / span
-        short = (sum(size for at, size in self._flow if at >= now - s.trigger_period_s)
-                 + self._growth(now - s.trigger_period_s)) / s.trigger_period_s
+        short_s = self.settings.trigger_period_s
+        long = (self._dispatched(now - span) + self._growth(now - span)) / span
+        short = (self._dispatched(now - short_s) + self._growth(now - short_s)) / short_s
         return max(long, short)
+
+    def _span(self, now: float) -> float | None:
+        """The rate window as watched so far (at most ``rate_window_s``); None before one trigger period."""
+        s = self.settings
+        if self._flow_since is None or now - self._flow_since < s.trigger_period_s:
+            return None
+        return min(s.rate_window_s, now - self._flow_since)
+
+    def _dispatched(self, since: float) -> int:
+        """Requests dispatched since ``since`` (within the rate window kept)."""
+        return sum(size for at, size in self._flow if at >= since)
 
     def arrivals(self, now: float, window: float) -> float:
         """Requests that arrived per second over the last ``window``: dispatched, plus the stream's change in length.
@@ -286,8 +296,7 @@ class Policy:
         moves B for nothing.
         """
         since = now - window
-        dispatched = sum(size for at, size in self._flow if at >= since)
-        return max(0.0, (dispatched + self._length_change(since)) / window)
+        return max(0.0, (self._dispatched(since) + self._length_change(since)) / window)
 
     def short_of_capacity(self, now: float, batch: int, capacity: Callable[[int], float | None] | None) -> bool:
         """Whether ``batch`` could not serve the recent dispatch rate with the margin to spare."""
@@ -317,10 +326,10 @@ class Policy:
         as busy: the estimate alone decides, as before.
         """
         cap = capacity(batch) if capacity is not None else None
-        s = self.settings
-        if cap is None or self._flow_since is None or now - self._flow_since < s.trigger_period_s:
+        span = self._span(now)
+        if cap is None or span is None:
             return True
-        span = min(s.rate_window_s, now - self._flow_since)
+        s = self.settings
         return (self.arrivals(now, span) >= s.up_utilisation * cap
                 or self.arrivals(now, s.trigger_period_s) >= cap)
 

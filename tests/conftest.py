@@ -20,6 +20,7 @@ import pytest
 import redis
 
 from packrat_mq.connection import EmbeddedRedis, connect
+from packrat_mq.settings import Settings
 
 # A shell that starts a job in the background without job control (`make test &`, nohup under
 # `bash -c`) hands it SIGINT ignored, and every process it starts inherits that: the tests of
@@ -27,7 +28,6 @@ from packrat_mq.connection import EmbeddedRedis, connect
 # across exec, so the processes the tests start get Ctrl-C as a terminal would give it.
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
-from packrat_mq.settings import Settings
 
 
 @pytest.fixture(scope="session")
