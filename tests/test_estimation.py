@@ -455,3 +455,61 @@ def test_only_the_exact_undo_is_damped() -> None:
     assert policy.timeout_s == 1.0
     policy.changed(5.0, 2, 1)
     assert policy.timeout_s == 2.0
+
+
+# --- the knee: a larger B that serves no more ---------------------------------------
+#: A traced ResNet-50 on two cores, as planned from its profile (req/s): batching past B=4 buys nothing.
+FLAT = {1: 11.1, 2: 13.9, 4: 17.9, 8: 16.6, 16: 13.7, 32: 14.6}
+
+
+def test_worth_keeps_every_b_that_serves_more() -> None:
+    policy = Policy()
+    assert [policy.worth(b, CAPACITY.get) for b in (1, 2, 4, 8, 16, 32)] == [1, 2, 4, 8, 16, 32]
+    assert policy.worth(32, None) == 32
+    assert policy.worth(32, {1: 11.1, 2: None, 4: 17.9}.get) == 32  # any unknown: the estimate decides
+
+
+def test_worth_lowers_b_to_the_knee_of_a_flat_profile() -> None:
+    policy = Policy()
+    assert [policy.worth(b, FLAT.get) for b in (1, 2, 4, 8, 16, 32)] == [1, 2, 4, 4, 4, 4]
+    # Within the knee (5%) of the best, the smaller B: 25.3 is 99% of 25.6.
+    assert policy.worth(16, {1: 19.2, 2: 21.1, 4: 23.0, 8: 25.6, 16: 25.3}.get) == 8
+    assert Policy(EstimatorSettings(knee=0.0)).worth(16, {1: 19.2, 2: 21.1, 4: 23.0, 8: 25.3, 16: 25.6}.get) == 16
+    # min_batch and a max_batch that is no power of two are candidates too.
+    odd = Policy(EstimatorSettings(min_batch=3, max_batch=24))
+    assert odd.worth(24, {3: 10.0, 4: 12.0, 8: 20.0, 16: 15.0, 24: 21.0}.get) == 8
+
+
+def test_a_backlog_on_a_flat_profile_climbs_to_the_knee_only() -> None:
+    """A step on two cores: Q̃ reads 35 at B=1; the climb stops at B=4, whatever Q̃ says after."""
+    clock, est, policy = Clock(), Estimator(), Policy()
+    policy.decide(clock.t, 1, 1)
+    clock.t = dispatch_at(policy, clock.t, 2.0, 12.0, 1, False)  # 12/s against B=1's 11.1: busy
+    d = None
+    for _ in range(200):
+        clock.t += 0.005
+        est.observe(35, 1)
+        d = policy.decide(clock.t, 1, est.b_tilde, est.q_tilde, capacity=FLAT.get)
+        if d is not None:
+            break
+    assert d is not None and d.batch == 4 and "B̃=32" in d.reason
+    policy.changed(clock.t, 1, 4)
+    for _ in range(400):  # the estimate stays at 32: nothing more to ask for
+        clock.t += 0.005
+        policy.record_batch(clock.t, 4, False, 5.0)
+        est.observe(35, 4)
+        assert policy.decide(clock.t, 4, est.b_tilde, est.q_tilde, capacity=FLAT.get) is None
+
+
+def test_past_the_knee_a_smaller_b_is_taken_under_a_load_it_serves_better() -> None:
+    """At B=32 (14.6/s) with 14/s arriving, B=4 (17.9/s) is not 20% above the load, but above B=32: down."""
+    policy = Policy()
+    policy.decide(0.0, 32, 32)
+    t = dispatch_at(policy, 0.0, 6.0, 14.0, 4, False)
+    assert policy.short_of_capacity(t, 4, FLAT.get)  # against the load alone it would be refused
+    assert not policy.short_of_capacity(t, 4, FLAT.get, current=32)
+    d = None
+    while d is None and t < 10.0:
+        t += 0.005
+        d = policy.decide(t, 32, 32, 35.0, capacity=FLAT.get)
+    assert d is not None and d.batch == 4
