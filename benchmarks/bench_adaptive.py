@@ -11,7 +11,8 @@ arrivals at a rate that changes over time):
 
 The setups: ``adaptive`` (``up`` without ``--batch``: the estimator chooses B
 from B=1, spare instances loaded from the start), ``adaptive-no-prewarm``
-(spares only once a change retires instances), ``static-1`` (``--batch 1``) and ``static-32`` (``--batch 32``),
+(spares only once a change retires instances), ``static-1`` (``--batch 1``) and ``static-32`` (``--batch 32``)
+(any ``static-B`` for ``--batch B``),
 with the same batch wait (50 ms, as the peers benchmark). Rates come from the
 model's profile: the capacity of batch B is ``B / L(B)``, with ``L(B)`` the
 optimizer's predicted latency for (T, B), and the rate "whose ideal batch is
@@ -287,10 +288,8 @@ def run_setup(name: str, args: argparse.Namespace, url: str, phases: list[Phase]
         cmd += ["--simulate-cores", str(args.simulate_cores)]
     for opt in args.option:
         cmd += ["-o", opt]
-    if name == "static-1":
-        cmd += ["--batch", "1"]
-    elif name == "static-32":
-        cmd += ["--batch", "32"]
+    if name.startswith("static-"):
+        cmd += ["--batch", name.removeprefix("static-")]  # static-1, static-32, any static-B
     elif name == "adaptive-no-prewarm":
         cmd += ["--no-prewarm"]  # spares only once a change retires instances
     env = dict(os.environ, PACKRAT_LOG_LEVEL="WARNING")
@@ -306,7 +305,8 @@ def run_setup(name: str, args: argparse.Namespace, url: str, phases: list[Phase]
     out_thread = threading.Thread(target=lambda: [lines.append(x.rstrip()) for x in proc.stdout], daemon=True)  # type: ignore[union-attr]
     out_thread.start()
     print(f"[{name}] serving: {lines[-2] if len(lines) > 1 else ''}", flush=True)
-    spares_s = wait_for_spares(url, prefix, args.model)
+    # Without prewarm a supervisor keeps spares only once a change retires instances: nothing to wait for.
+    spares_s = None if name == "adaptive-no-prewarm" else wait_for_spares(url, prefix, args.model)
     if spares_s is not None:
         print(f"[{name}] spares loaded {spares_s:.1f} s after ready; the trace starts now", flush=True)
     monitor = Monitor(url, prefix, args.model)

@@ -53,6 +53,7 @@ from dispatcher.orphans import sweep
 from dispatcher.partitioning import LatencyFn, split
 from dispatcher.reading import Entry, RequestReader
 from dispatcher.reclaiming import Reclaimer
+from dispatcher.waiting import DeadlineRead
 from packrat_mq import protocol, replies, streams
 from packrat_mq.backoff import Backoff
 from packrat_mq.connection import check_cluster, connect
@@ -109,8 +110,10 @@ class Dispatcher:
         self._ratios_read_at = 0.0
         self._state = "starting"
         self.backoff = Backoff()
-        self.reader = RequestReader(r, self.stream, DISPATCHER_GROUP, self.consumer)
-        self.aggregator: Aggregator[Entry] = Aggregator(self._read)
+        #: Blocking reads that end at their deadline, so partial batches are not polled for.
+        self.waiter = DeadlineRead(r)
+        self.reader = RequestReader(r, self.stream, DISPATCHER_GROUP, self.consumer, waiter=self.waiter)
+        self.aggregator: Aggregator[Entry] = Aggregator(self._read, poll_interval_ms=settings.batch_poll_ms)
         #: Takes back what the instances of a dead node hold (:mod:`dispatcher.reclaiming`).
         self.reclaimer = Reclaimer(r, self.keys, self.model, self.consumer, settings.node_grace_s)
         #: The estimator: samples the backlog in a thread of its own while running (see :meth:`run`).
@@ -123,6 +126,8 @@ class Dispatcher:
 
     # --- setup ----------------------------------------------------------
     def setup(self) -> None:
+        if self.waiter.probe():
+            self.aggregator.server_tick_ms = 0.0  # reads end at their deadline: nothing to poll for
         ensure_group(self.r, self.stream, DISPATCHER_GROUP)
         self.r.sadd(self.keys.models(), self.model)
         self.heartbeat("ready")
@@ -198,6 +203,10 @@ class Dispatcher:
 
     def stop(self) -> None:
         self._stopping = True
+
+    def close(self) -> None:
+        """Close the connection of the deadline reads (the client's own pool is the caller's)."""
+        self.waiter.close()
 
     # --- reading --------------------------------------------------------
     def _read(self, count: int, block_ms: int | None) -> list[Entry]:
@@ -325,6 +334,7 @@ class Dispatcher:
             self._loop()
         finally:
             self.adaptive.stop()
+            self.close()
         try:
             self.heartbeat("stopped")
         except redis.RedisError as exc:

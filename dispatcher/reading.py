@@ -28,6 +28,7 @@ from typing import Any
 
 import redis
 
+from dispatcher.waiting import DeadlineRead
 from packrat_mq.protocol import PAYLOAD_BYTES, payload_size
 
 #: Payloads this large on average are left in Redis when the dispatcher reads (see the module text).
@@ -79,8 +80,11 @@ def read_fields(r: redis.Redis, stream: str, group: str, consumer: str, count: i
 class RequestReader:
     """Reads one consumer's requests, through the script while payloads are large."""
 
-    def __init__(self, r: redis.Redis, stream: str, group: str, consumer: str) -> None:
+    def __init__(self, r: redis.Redis, stream: str, group: str, consumer: str,
+                 waiter: DeadlineRead | None = None) -> None:
         self.r, self.stream, self.group, self.consumer = r, stream, group, consumer
+        #: Blocks until its deadline exactly (see :mod:`dispatcher.waiting`); None: plain blocking reads.
+        self.waiter = waiter
         #: Mean payload size of recent reads (an exponential average over reads).
         self.mean_payload_bytes = 0.0
 
@@ -100,7 +104,10 @@ class RequestReader:
 
     def wait(self, block_ms: int) -> list[Entry]:
         """Block up to ``block_ms`` for one new entry (read with its payload: scripts cannot block)."""
-        resp = self.r.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=1, block=block_ms)
+        if self.waiter is not None:
+            resp = self.waiter.read(self.group, self.consumer, self.stream, 1, block_ms)
+        else:
+            resp = self.r.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=1, block=block_ms)
         entries = self._plain(resp)
         self._observe(entries)
         return entries

@@ -38,6 +38,12 @@ class Settings(BaseSettings):
     batch_timeout_ms: float = Field(
         default=5.0, ge=0, description="Dispatch a partial batch this long after its first request."
     )
+    batch_poll_ms: float = Field(
+        default=1.0, gt=0,
+        description="While a partial batch waits out the last server tick before its deadline, the stream is "
+                    "read this often (Redis wakes a blocked reader at its timeout only on a tick). Each read "
+                    "costs the dispatcher and Redis CPU: every 0.2 ms took 35% of a core while waiting.",
+    )
     max_payload_bytes: int = Field(default=16 * 1024 * 1024, ge=1, description="Larger payloads get an error reply.")
     reply_ttl_s: int = Field(
         default=3600, ge=1, description="Reply streams expire this long after their last reply."

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import redis
 
+from dispatcher.waiting import DeadlineRead
 from dispatcher.dispatcher import Dispatcher, ensure_group
 from dispatcher.orphans import sweep
 from packrat_mq import protocol
@@ -246,17 +247,34 @@ def test_partial_batch_after_timeout(r: redis.Redis, settings: Settings, monkeyp
     assert d.run_once() == 6
     elapsed_ms = (time.monotonic() - t0) * 1000
     assert elapsed_ms >= settings.batch_timeout_ms, "a partial batch must wait for the batch timeout"
-    # The window is kept by polling, never by a blocking read: Redis ends a
-    # BLOCK only on its 10 Hz cron tick, which made a 2 ms window cost 100 ms.
+    # The window is one blocking read that ends at its deadline (dispatcher.waiting), not polling:
+    # Redis alone ends a BLOCK only on its 10 Hz cron tick, which made a 2 ms window cost 100 ms.
+    assert d.waiter.precise and d.aggregator.server_tick_ms == 0.0
     assert reads[0][1] == 6, "the waiting requests are read at once"
     window = [block for block, _ in reads[1:]]
-    assert len(window) >= 2, "the window was polled"
-    assert window == [None] * len(window), window
+    assert window and window[0] is not None and window[0] >= 1, window
+    assert len(window) <= 2, "the window was not polled"
+    assert elapsed_ms < settings.batch_timeout_ms + 60, "the read ended at the deadline, not at the server's tick"
     assert all(kw.get("block") is None for kw, _ in blocking), "requests already waiting are never read by a blocking read"
     q = queued(r, settings, dep)
     sizes = [sum(len(s) for s in q[i.id]) for i in dep.instances]
     assert sizes == [4, 1, 1]  # split by threads: the 4-thread instance takes more
     assert r.hget(settings.keys.stats(MODEL), "batches") == b"1"
+
+
+def test_partial_batch_polled_where_reads_cannot_end_at_their_deadline(
+        r: redis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server without CLIENT UNBLOCK: the window is kept by polling, never by a blocking read."""
+    monkeypatch.setattr(DeadlineRead, "probe", lambda self: False)
+    deploy(r, settings, [(4, 8), (2, 4), (2, 4)])
+    d = make_dispatcher(r, settings)
+    assert not d.waiter.precise and d.aggregator.server_tick_ms > 0
+    send(r, settings, 6)
+    reads: list[int | None] = []
+    real_read = d.aggregator.read
+    monkeypatch.setattr(d.aggregator, "read", lambda count, block_ms: reads.append(block_ms) or real_read(count, block_ms))
+    assert d.run_once() == 6
+    assert len(reads) >= 3 and reads[1:] == [None] * (len(reads) - 1), reads
 
 
 def test_partial_batch_split_by_latency(r: redis.Redis, settings: Settings) -> None:
@@ -271,10 +289,14 @@ def test_partial_batch_split_by_latency(r: redis.Redis, settings: Settings) -> N
 def test_idle_returns_nothing(r: redis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
     deploy(r, settings, [(1, 2)])
     d = make_dispatcher(r, settings)
-    reads = spy(monkeypatch, d.r, "xreadgroup")
+    waits = []
+    real = d.waiter.read
+    monkeypatch.setattr(d.waiter, "read", lambda *a: waits.append(a[-1]) or real(*a))
+    t0 = time.monotonic()
     assert d.run_once(idle_block_ms=50) == 0
     # The wait for a first request is bounded by idle_block_ms (BLOCK 0 would wait forever).
-    assert [kw.get("block") for kw, _ in reads if kw.get("block") is not None] == [50]
+    assert waits == [50]
+    assert (time.monotonic() - t0) * 1000 < 50 + 60, "ended at its deadline, not the server's tick"
     assert r.hget(settings.keys.stats(MODEL), "batches") is None
 
 

@@ -513,3 +513,16 @@ def test_past_the_knee_a_smaller_b_is_taken_under_a_load_it_serves_better() -> N
         t += 0.005
         d = policy.decide(t, 32, 32, 35.0, capacity=FLAT.get)
     assert d is not None and d.batch == 4
+
+
+def test_a_sample_standing_for_several_periods_weighs_as_many() -> None:
+    """A sampler that slows down while nothing waits keeps Q̃'s and B̃'s time constants."""
+    one, many = Estimator(), Estimator()
+    for est in (one, many):
+        est.observe(0)
+    for _ in range(10):
+        one.observe(4)
+    many.observe(4, periods=10)
+    assert many.q_tilde == pytest.approx(one.q_tilde)
+    assert many.b_tilde == 2 and list(many._recent) == [2] * 10  # the vote counts it ten times (its window)
+    assert Estimator().observe(3, periods=0.2) == 2  # never less than one sample
