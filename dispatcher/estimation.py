@@ -154,21 +154,18 @@ class Estimator:
             b = min(current, s.max_batch)
         return b
 
-    def observe(self, length: int, current: int | None = None, periods: float = 1.0) -> int:
-        """Take one sample of the stream length; returns B̂.
-
-        ``periods``: how many sampling periods this sample stands for (a
-        sampler that slows down while nothing waits). The EWMA weighs it as
-        that many samples of the same length, ``1 − (1 − α)^periods``, and
-        the vote counts it as many times (up to its window), so Q̃ and B̃
-        keep their time constants whatever the sampling rate.
-        """
-        a = 1 - (1 - self.settings.alpha) ** max(1.0, periods)
+    def observe(self, length: int, current: int | None = None) -> int:
+        """Take one sample of the stream length; returns B̂."""
+        a = self.settings.alpha
         self.q_tilde = float(length) if self.q_tilde is None else a * length + (1 - a) * self.q_tilde
         b = self.b_hat(self.q_tilde, current)
-        for _ in range(min(self.settings.window, max(1, round(periods)))):
-            self._recent.append(b)
+        self._recent.append(b)
         return b
+
+    @property
+    def last(self) -> int | None:
+        """The latest B̂ (None before a sample)."""
+        return self._recent[-1] if self._recent else None
 
     @property
     def b_tilde(self) -> int | None:

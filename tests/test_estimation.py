@@ -6,7 +6,11 @@ import random
 
 import pytest
 
+import fakeredis
+
+from dispatcher.adaptive import Adaptive
 from dispatcher.estimation import Estimator, EstimatorSettings, Policy, floor_pow2
+from packrat_mq.settings import Settings
 
 
 def test_floor_pow2() -> None:
@@ -515,14 +519,40 @@ def test_past_the_knee_a_smaller_b_is_taken_under_a_load_it_serves_better() -> N
     assert d is not None and d.batch == 4
 
 
-def test_a_sample_standing_for_several_periods_weighs_as_many() -> None:
-    """A sampler that slows down while nothing waits keeps Q̃'s and B̃'s time constants."""
-    one, many = Estimator(), Estimator()
-    for est in (one, many):
-        est.observe(0)
-    for _ in range(10):
-        one.observe(4)
-    many.observe(4, periods=10)
-    assert many.q_tilde == pytest.approx(one.q_tilde)
-    assert many.b_tilde == 2 and list(many._recent) == [2] * 10  # the vote counts it ten times (its window)
-    assert Estimator().observe(3, periods=0.2) == 2  # never less than one sample
+
+# --- how often the sampler looks ----------------------------------------------------
+def _adaptive_on(length: int, batch: int) -> tuple[Adaptive, Clock, fakeredis.FakeRedis]:
+    fake = fakeredis.FakeRedis()
+    clock = Clock()
+    a = Adaptive(fake, Settings(), "m", clock=lambda: clock.t)
+    a.serving(batch, 1, True, 20.0)
+    for i in range(length):
+        fake.xadd(a.stream, {"i": str(i)})
+    return a, clock, fake
+
+
+def test_the_sampler_slows_once_the_estimate_has_agreed_for_a_timeout() -> None:
+    a, clock, fake = _adaptive_on(5, 4)  # Q̃ -> 5 at B=4: B̂ = 4
+    for _ in range(100):  # 0.5 s
+        clock.t += 0.005
+        a.sample()
+    assert not a.steady() and not a.quiet()
+    for _ in range(200):  # past the 1 s timeout
+        clock.t += 0.005
+        a.sample()
+    assert a.steady()
+    for i in range(30):  # a step: the first B̂ that asks for more ends the slow sampling
+        fake.xadd(a.stream, {"more": str(i)})
+    a.sample()
+    assert a.estimator.last == 8 and not a.steady()
+
+
+def test_the_sampler_is_quiet_at_the_smallest_b_with_nothing_waiting() -> None:
+    a, clock, fake = _adaptive_on(1, 1)  # one request in service at B=1
+    for _ in range(50):
+        clock.t += 0.005
+        a.sample()
+    assert a.quiet()
+    fake.xadd(a.stream, {"second": "1"})  # one waits behind it
+    a.sample()
+    assert not a.quiet()
