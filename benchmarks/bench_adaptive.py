@@ -484,7 +484,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
         tl = a["timeline"]
         ax2.step([x["t"] for x in tl], [x["batch"] or 0 for x in tl], where="post", label="B (adaptive)")
         ax2.plot([x["t"] for x in tl], [x["q_tilde"] or 0 for x in tl], lw=0.8, label="Q̃")
-        ax2.set_yscale("symlog", linthresh=32)
+        ax2.set_yscale("symlog", linthresh=1, base=2)
+        top = max([x["batch"] or 0 for x in tl] + [x["q_tilde"] or 0 for x in tl] + [1])
+        ticks = [0] + [1 << k for k in range(int(top).bit_length() + 1)]
+        ax2.set_yticks(ticks, [str(v) for v in ticks])
         ax2.set_ylabel("batch")
         ax2.legend(loc="upper right")
         ax3.plot([x["t"] for x in tl], [x["length"] for x in tl], lw=0.8, label="adaptive")
