@@ -49,6 +49,7 @@ def estimator_settings(settings: Settings) -> EstimatorSettings:
         min_batch=settings.adaptive_min_batch, max_batch=max(settings.adaptive_min_batch, settings.adaptive_max_batch),
         reconfigure_timeout_s=settings.reconfigure_timeout_s, up_timeout_s=settings.reconfigure_up_timeout_s,
         trigger_period_s=settings.trigger_period_s, up_utilisation=settings.reconfigure_up_utilisation,
+        knee=settings.estimator_knee,
     )
 
 

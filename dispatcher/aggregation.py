@@ -8,13 +8,13 @@ tested without Redis.
 The timer is kept here, not by Redis: a server wakes a blocked reader at its
 deadline only on its next cron tick (``hz`` 10 means up to 100 ms late), so a
 5 ms window is spent polling without blocking, and a blocking read is used
-only for the part of a long window that ends a tick before the deadline, unless reads end at their deadline
-(:mod:`dispatcher.waiting`: the dispatcher then passes ``server_tick_ms=0``
-and never polls). Polling costs CPU that instances on the same cores
-would use: one read every 0.2 ms took 35% of a core (dispatcher and Redis)
-for as long as a partial batch waited, every 1 ms (the dispatcher's default,
-``batch_poll_ms``) about a seventh of that, and a batch is then complete
-at most that much later than its last request.
+only for the part of a long window that ends a tick before the deadline;
+unless reads end at their deadline (:mod:`dispatcher.waiting`: the
+dispatcher then sets ``server_tick_ms=0`` and never polls). Polling costs CPU that instances on the same cores
+would use: one read every 0.2 ms took 31-37% of a core (dispatcher and
+Redis) for as long as a partial batch waited, every 1 ms (the dispatcher's
+``batch_poll_ms`` where it must poll) 20%, and a batch is then complete at
+most that much later than its last request.
 """
 from __future__ import annotations
 
