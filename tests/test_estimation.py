@@ -9,7 +9,7 @@ import pytest
 import fakeredis
 
 from dispatcher.adaptive import Adaptive
-from dispatcher.estimation import Estimator, EstimatorSettings, Policy, floor_pow2
+from dispatcher.estimation import Decision, Estimator, EstimatorSettings, Policy, floor_pow2
 from packrat_mq.settings import Settings
 
 
@@ -65,6 +65,18 @@ class Clock:
 
     def __call__(self) -> float:
         return self.t
+
+
+def first_decision(policy: Policy, est: Estimator, clock: Clock, length: int, current: int,
+                   capacity: dict[int, float], samples: int = 200) -> Decision | None:
+    """Sample a constant stream length every 5 ms until the policy decides (None if it never does)."""
+    for _ in range(samples):
+        clock.t += 0.005
+        est.observe(length, current)
+        d = policy.decide(clock.t, current, est.b_tilde, est.q_tilde, capacity=capacity.get)
+        if d is not None:
+            return d
+    return None
 
 
 def drive(policy: Policy, est: Estimator, clock: Clock, lengths: list[float], current: int,
@@ -383,13 +395,7 @@ def test_an_estimate_four_times_b_moves_it_up_however_idle_the_rate_looks() -> N
     clock, est, policy = Clock(), Estimator(), Policy()
     policy.decide(clock.t, 1, 1)
     clock.t = dispatch_at(policy, clock.t, 3.0, 3.0, 1, False)
-    decided = None
-    for _ in range(200):
-        clock.t += 0.005
-        est.observe(5, 1)
-        decided = policy.decide(clock.t, 1, est.b_tilde, est.q_tilde, capacity=CAPACITY.get)
-        if decided is not None:
-            break
+    decided = first_decision(policy, est, clock, 5, 1, CAPACITY)
     assert decided is not None and decided.batch == 4 and decided.reason == "estimate"
 
 
@@ -489,13 +495,7 @@ def test_a_backlog_on_a_flat_profile_climbs_to_the_knee_only() -> None:
     clock, est, policy = Clock(), Estimator(), Policy()
     policy.decide(clock.t, 1, 1)
     clock.t = dispatch_at(policy, clock.t, 2.0, 12.0, 1, False)  # 12/s against B=1's 11.1: busy
-    d = None
-    for _ in range(200):
-        clock.t += 0.005
-        est.observe(35, 1)
-        d = policy.decide(clock.t, 1, est.b_tilde, est.q_tilde, capacity=FLAT.get)
-        if d is not None:
-            break
+    d = first_decision(policy, est, clock, 35, 1, FLAT)
     assert d is not None and d.batch == 4 and "B̃=32" in d.reason
     policy.changed(clock.t, 1, 4)
     for _ in range(400):  # the estimate stays at 32: nothing more to ask for
