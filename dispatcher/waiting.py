@@ -51,7 +51,8 @@ class DeadlineRead:
             self.r.execute_command("CLIENT", "UNBLOCK", self._client_id)
             self.precise = bool(hasattr(self._conn, "can_read") and hasattr(self._conn, "send_command"))
         except (redis.ResponseError, AttributeError, NotImplementedError) as exc:
-            log.info("blocking reads end on the server's tick (%s): partial batches are polled", exc)
+            log.warning("blocking reads end on the server's tick (%s): partial batches are polled every "
+                        "PACKRAT_BATCH_POLL_MS, which takes CPU from the instances", exc)
             self.close()
             self.precise = False
         return self.precise
