@@ -378,11 +378,10 @@ class Policy:
         candidates = sorted({s.min_batch, b_tilde} | {1 << k for k in range(b_tilde.bit_length())
                                                       if s.min_batch < 1 << k < b_tilde})
         caps = [capacity(b) for b in candidates]
-        known = [c for c in caps if c is not None]
-        if len(known) < len(caps):
+        if any(c is None for c in caps):
             return b_tilde
-        best = max(known)
-        return next(b for b, c in zip(candidates, known) if c >= (1 - s.knee) * best)
+        best = max(caps)
+        return next(b for b, c in zip(candidates, caps) if c >= (1 - s.knee) * best)
 
     def decide(self, now: float, current: int, b_tilde: int | None, q_tilde: float | None = None,
                predicted_ms: float | None = None,

@@ -83,8 +83,9 @@ class RequestReader:
     def __init__(self, r: redis.Redis, stream: str, group: str, consumer: str,
                  waiter: DeadlineRead | None = None) -> None:
         self.r, self.stream, self.group, self.consumer = r, stream, group, consumer
-        #: Blocks until its deadline exactly (see :mod:`dispatcher.waiting`); None: plain blocking reads.
-        self.waiter = waiter
+        #: The blocking read for the first entry (:mod:`dispatcher.waiting`): it ends at its deadline once
+        #: probed, and is a plain blocking XREADGROUP until then.
+        self.waiter = waiter or DeadlineRead(r)
         #: Mean payload size of recent reads (an exponential average over reads).
         self.mean_payload_bytes = 0.0
 
@@ -104,10 +105,7 @@ class RequestReader:
 
     def wait(self, block_ms: int) -> list[Entry]:
         """Block up to ``block_ms`` for one new entry (read with its payload: scripts cannot block)."""
-        if self.waiter is not None:
-            resp = self.waiter.read(self.group, self.consumer, self.stream, 1, block_ms)
-        else:
-            resp = self.r.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=1, block=block_ms)
+        resp = self.waiter.read(self.group, self.consumer, self.stream, 1, block_ms)
         entries = self._plain(resp)
         self._observe(entries)
         return entries

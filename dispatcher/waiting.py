@@ -49,7 +49,7 @@ class DeadlineRead:
             self._connect()
             # Not blocked, so this unblocks nothing (0): it only asks whether the command exists.
             self.r.execute_command("CLIENT", "UNBLOCK", self._client_id)
-            self.precise = bool(hasattr(self._conn, "can_read") and hasattr(self._conn, "send_command"))
+            self.precise = hasattr(self._conn, "can_read")  # _connect already used send_command
         except (redis.ResponseError, AttributeError, NotImplementedError) as exc:
             log.warning("blocking reads end on the server's tick (%s): partial batches are polled every "
                         "PACKRAT_BATCH_POLL_MS, which takes CPU from the instances", exc)
