@@ -221,6 +221,15 @@ class Monitor(threading.Thread):
         #: Every reconfiguration seen (the model's own history keeps only the last 10), by decision time.
         self.history: dict[float, dict[str, Any]] = {}
         self.stop_event = threading.Event()
+        self.ratio: float | None = None
+
+    def node_ratio(self, d: DispatcherState | None) -> float | None:
+        """The first node's served / profiled latency (its supervisor's drift check), if measured."""
+        if d is None or not d.nodes:
+            return None
+        node = d.nodes[0].split("=", 1)[0]
+        rec = SupervisorState.load(self.r, self.keys.supervisor(self.model, node))
+        return rec.profile_ratio if rec is not None else None
 
     def collect_history(self) -> None:
         for raw in self.r.lrange(self.keys.reconfigurations(self.model), 0, -1):
@@ -236,11 +245,13 @@ class Monitor(threading.Thread):
                 k += 1
                 if k % 10 == 0:
                     self.collect_history()
+                    # What the estimator's capacities are corrected by (served / profiled), once a second.
+                    self.ratio = self.node_ratio(d)
             except Exception:  # noqa: BLE001 - a missed sample is a gap in the plot
                 continue
             self.samples.append({"at": time.time(), "batch": d.batch if d else None,
                                  "q_tilde": d.q_tilde if d else None, "b_tilde": d.b_tilde if d else None,
-                                 "length": length})
+                                 "length": length, "profile_ratio": self.ratio})
 
 
 def percentile(values: list[float], q: float) -> float | None:

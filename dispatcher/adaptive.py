@@ -190,7 +190,8 @@ class Adaptive:
                     and self.estimator.b_hat(q) <= smallest and (self.batch or 1) <= smallest)
 
     def steady(self) -> bool:
-        """The estimate has agreed with B for a whole reconfiguration timeout, and its latest B̂ asks for B.
+        """The estimate has agreed with B for a whole reconfiguration timeout, and its latest B̂ asks for B
+        (lowered to the knee and raised to what carries the load, as the policy takes it).
 
         No decision is near: the sampler then looks 8x less
         often (every 40 ms), and at the full rate again from the first sample
@@ -208,7 +209,9 @@ class Adaptive:
             since, last = self.policy.agree_since, self.estimator.last
             if since is None or last is None or self.clock() - since < self.config.reconfigure_timeout_s:
                 return False
-            return self.policy.worth(last, self.capacity) == self.batch
+            now = self.clock()
+            target = self.policy.carrying(now, self.policy.worth(last, self.capacity), self.batch or 1, self.capacity)
+            return target == self.batch
 
     def sample(self) -> Decision | None:
         """One sample and decision (the thread's body; tests call it directly)."""

@@ -365,6 +365,53 @@ class Policy:
         return (self.arrivals(now, span) >= s.up_utilisation * cap
                 or self.arrivals(now, s.trigger_period_s) >= cap)
 
+    def _candidates(self, upto: int) -> list[int]:
+        """The values B̂ takes up to ``upto``: ``min_batch``, the powers of two above it, and ``upto``."""
+        s = self.settings
+        return sorted({s.min_batch, upto} | {1 << k for k in range(upto.bit_length()) if s.min_batch < 1 << k < upto})
+
+    def carrying(self, now: float, b_tilde: int, current: int,
+                 capacity: Callable[[int], float | None] | None) -> int:
+        """``b_tilde`` raised to the smallest B that carries the arrivals with ``capacity_margin`` to spare.
+
+        The estimate reads the stream's length, which says how much waits,
+        not how fast it comes: a step to 90% of B=4's capacity reads Q̃ ≈ 2
+        first, and B went 1 -> 2 -> 4 through two changes while the backlog
+        grew (ResNet-50 on two cores, 2026-12-01). And below the current B
+        a moment's lull says "smaller" under a load the smaller B cannot
+        carry. So the target is the smallest B at or above the estimate
+        whose planned capacity exceeds the measured rate (:meth:`rate`) by
+        the margin; if none does, the B that serves the most (the knee of
+        all, :meth:`worth`). Below the current B it never goes to a B that
+        serves less than the current one without carrying the load, and an
+        estimate at or below B never moves it up: only a queue that builds
+        does, through the estimate. Capacity unknown: the estimate alone.
+        Before one trigger period is watched (no rate): no smaller B, blind.
+        """
+        if capacity is None:
+            return b_tilde
+        rate = self.rate(now)
+        if rate is None:
+            return b_tilde if b_tilde > current else current
+        s = self.settings
+        need = rate / (1 - s.capacity_margin)
+        target = None
+        for b in self._candidates(s.max_batch):
+            if b < b_tilde:
+                continue
+            cap = capacity(b)
+            if cap is None:
+                return b_tilde  # a plan unknown: the estimate decides
+            if cap >= need:
+                target = b
+                break
+        if target is None:  # nothing carries it: the B that serves the most
+            target = max(self.worth(s.max_batch, capacity), b_tilde)
+            now_cap, cap = capacity(current), capacity(target)
+            if target < current and (cap is None or now_cap is None or cap <= now_cap):
+                target = current
+        return target if b_tilde > current else min(target, current)
+
     def worth(self, b_tilde: int, capacity: Callable[[int], float | None] | None) -> int:
         """The smallest B up to ``b_tilde`` that serves within ``knee`` of the best of them (``b_tilde`` if unknown).
 
@@ -375,8 +422,7 @@ class Policy:
         if capacity is None:
             return b_tilde
         s = self.settings
-        candidates = sorted({s.min_batch, b_tilde} | {1 << k for k in range(b_tilde.bit_length())
-                                                      if s.min_batch < 1 << k < b_tilde})
+        candidates = self._candidates(b_tilde)
         caps = [capacity(b) for b in candidates]
         if any(c is None for c in caps):
             return b_tilde
@@ -397,7 +443,9 @@ class Policy:
             self._flow_since = now  # the rate is measured from the first look on
         if b_tilde is None:
             return None
-        estimated, b_tilde = b_tilde, self.worth(b_tilde, capacity)
+        estimated = b_tilde
+        worth = self.worth(b_tilde, capacity)
+        b_tilde = self.carrying(now, worth, current, capacity)
         if b_tilde == current:
             self.disagree_since = None
             if self.agree_since is None:
@@ -412,23 +460,34 @@ class Policy:
         # every request behind it, one a B too large serves costs a batch wait. An up move waits
         # ``up_timeout_s``, and may follow an earlier up move as soon; anything else waits one
         # (damped) timeout after the last change, so a reversal never comes quick.
+        # A move up after a move down waits the (damped) timeout too, unless the current B cannot carry
+        # the arrivals: then the move down was the mistake, and holding it is what builds the backlog
+        # (a ResNet-50 on two cores held B=2 under a load only B=4 carries for 26 s, by a timeout damped to
+        # 16 s). Damping still doubles each undo, so the next move down waits longer.
         up = b_tilde > current
-        climbing = up and self.last_change is not None and self.last_change[1] > self.last_change[0]
+        climbing = up and (self.last_change is not None and self.last_change[1] > self.last_change[0]
+                           or (capacity is not None and self.short_of_capacity(now, current, capacity)))
         dwell = min(self.timeout_s, s.up_timeout_s) if up else self.timeout_s
         gap = dwell if climbing else self.timeout_s
         if self.last_change_at is not None and now - self.last_change_at < gap:
             return None
-        if not up and self.short_of_capacity(now, b_tilde, capacity, current):
-            return None  # the load would outgrow it at once: stay
         if self.disagree_since is not None and now - self.disagree_since >= dwell:
             # Two powers of two above B is no burst (a lone Poisson burst at low load reads 2-3 at B=1):
             # the queue builds whatever the planned capacity says (a machine slower than its profile).
-            if not up or b_tilde >= FAR_ABOVE * current or self.busy(now, current, capacity):
-                reason = "estimate" if b_tilde == estimated else f"estimate (B̃={estimated} serves no more)"
-                return Decision(b_tilde, reason, current, q_tilde)
+            if not up or worth >= FAR_ABOVE * current or self.busy(now, current, capacity):
+                return Decision(b_tilde, self._reason(estimated, worth, b_tilde), current, q_tilde)
             # A burst, or the feedback of a larger B's slower lone requests, not a load that B cannot
             # carry: stay (a queue that really builds still moves B, through the queue-delay trigger).
         return self._triggered(current, b_tilde, q_tilde, predicted_ms)
+
+    @staticmethod
+    def _reason(estimated: int, worth: int, target: int) -> str:
+        """Why ``target``: the estimate, lowered to the knee, or raised to what carries the load."""
+        if target == estimated:
+            return "estimate"
+        if target == worth:
+            return f"estimate (B̃={estimated} serves no more)"
+        return f"estimate (B̃={estimated}; the arrivals need B={target})"
 
     def _triggered(self, current: int, b_tilde: int, q_tilde: float | None,
                    predicted_ms: float | None) -> Decision | None:

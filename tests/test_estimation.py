@@ -556,3 +556,83 @@ def test_the_sampler_is_quiet_at_the_smallest_b_with_nothing_waiting() -> None:
     fake.xadd(a.stream, {"second": "1"})  # one waits behind it
     a.sample()
     assert not a.quiet()
+
+
+# --- the target: the smallest B that carries the arrivals ----------------------------
+def test_a_step_goes_at_once_to_the_b_that_carries_it() -> None:
+    """12/s arrive at B=1 (11.1/s): Q̃ reads 2 first, but B=2 (13.9/s) has no 20% to spare: straight to 4."""
+    def step(rate: float, capacity: dict[int, float]) -> Decision | None:
+        clock, est, policy = Clock(), Estimator(), Policy()
+        policy.decide(clock.t, 1, 1)
+        clock.t = dispatch_at(policy, clock.t, 2.0, rate, 1, False)
+        for _ in range(200):  # the load goes on while the estimate dwells
+            clock.t = dispatch_at(policy, clock.t, 0.005, rate, 1, False)
+            est.observe(2, 1)
+            d = policy.decide(clock.t, 1, est.b_tilde, est.q_tilde, capacity=capacity.get)
+            if d is not None:
+                return d
+        return None
+
+    d = step(12.0, FLAT)
+    assert d is not None and d.batch == 4
+    assert d.reason == "estimate (B̃=2; the arrivals need B=4)"
+    # On the 16-core model the same rule picks the B whose capacity has the margin: 100/s needs 125.
+    d2 = step(100.0, CAPACITY)
+    assert d2 is not None and d2.batch == 8  # 145/s; B=4's 114 is short of the margin
+
+
+def test_a_lull_at_90_percent_load_does_not_take_b_below_what_carries_it() -> None:
+    """B=4 on two cores at 90% of its capacity, batches cut by the timeout, the estimate saying 2 or 1
+    between bursts: B=2 (13.9/s) never carries 16/s with the margin, so 60 s bring no change."""
+    rng = random.Random(11)
+    clock, est, policy = Clock(), Estimator(), Policy()
+    policy.changed(clock.t, 2, 4)
+    current, changes = 4, []
+    end = clock.t + 60.0
+    next_arrival = clock.t
+    while clock.t < end:
+        clock.t += 0.005
+        while next_arrival <= clock.t:
+            policy.record_batch(next_arrival, 1, True, 5.0)
+            next_arrival += rng.expovariate(16.0)
+        est.observe(rng.choice((0, 1, 1, 2, 3)), current)
+        d = policy.decide(clock.t, current, est.b_tilde, est.q_tilde, capacity=FLAT.get)
+        if d is not None:
+            changes.append(d)
+            policy.changed(clock.t, current, d.batch)
+            current = d.batch
+    assert changes == [] and current == 4
+
+
+def test_a_move_down_the_load_outgrows_is_undone_within_the_up_timeout_however_damped() -> None:
+    policy = Policy()
+    policy.timeout_s = 16.0  # damped by earlier undos
+    policy.decide(0.0, 4, 4)
+    t = dispatch_at(policy, 0.0, 6.0, 12.0, 2, False)
+    policy.changed(t, 4, 2)  # a move down B=2 (13.9/s) cannot carry with the margin
+    assert policy.decide(t + 0.01, 2, 4, 4.2, capacity=FLAT.get) is None  # the dwell starts
+    d = policy.decide(t + 0.3, 2, 4, 4.2, capacity=FLAT.get)
+    assert d is not None and d.batch == 4
+    assert policy.timeout_s == 16.0  # the undo doubles it only when it takes effect
+    # A B that carries the load keeps the damped gap: a move up after a move down waits it.
+    calm = Policy()
+    calm.timeout_s = 16.0
+    calm.decide(0.0, 4, 4)
+    t = dispatch_at(calm, 0.0, 6.0, 5.0, 1, False)
+    calm.changed(t, 4, 2)
+    calm.decide(t + 0.01, 2, 4, 4.2, capacity=FLAT.get)
+    assert calm.decide(t + 0.3, 2, 4, 4.2, capacity=FLAT.get) is None
+    assert calm.decide(t + 15.0, 2, 4, 4.2, capacity=FLAT.get) is None
+
+
+def test_a_move_down_stops_at_the_b_that_carries_the_load() -> None:
+    """At B=32, 120/s, the estimate saying 4: B=16 (168/s) carries it with the margin, B=8 (145/s) not."""
+    policy = Policy()
+    policy.decide(0.0, 32, 32)
+    t = dispatch_at(policy, 0.0, 6.0, 120.0, 8, True)
+    d = None
+    while d is None and t < 9.0:
+        t += 0.005
+        d = policy.decide(t, 32, 4, 4.0, capacity=CAPACITY.get)
+    assert d is not None and d.batch == 16
+    assert d.reason.startswith("timeouts") or "need B=16" in d.reason
