@@ -78,8 +78,14 @@ class Phase:
         return self.rate_from + (self.rate_to - self.rate_from) * min(1.0, t / self.seconds)
 
 
-def capacities(model: str, threads: int, profile: str | None, graph: str, scale: float) -> dict[int, float]:
-    """Requests per second each power-of-two B can serve, from the optimizer's predicted latency."""
+def capacities(model: str, threads: int, profile: str | None, graph: str, scale: float,
+               host: dict[int, float] | None = None) -> dict[int, float]:
+    """Requests per second each power-of-two B can serve, from the optimizer's predicted latency.
+
+    ``host``: this host's time over the profile's by instance thread count
+    (:func:`host_ratio`); each B's predicted latency is stretched by that of
+    its plan's largest instances.
+    """
     caps = {}
     for b in (1, 2, 4, 8, 16, 32):
         choice = choose(model, threads, b, profile, mode=graph)
@@ -88,20 +94,25 @@ def capacities(model: str, threads: int, profile: str | None, graph: str, scale:
         path = (loaded.path_cost_ms(b) or 0.0) if loaded else 0.0
         if predicted is None:
             raise SystemExit(f"no profile for {model}: the trace's rates come from one")
+        if host:
+            t = max(i.threads for i in choice.configuration.instances)
+            predicted *= host.get(t, statistics.median(host.values()))
         caps[b] = b / ((predicted * scale + path) / 1000.0)
     return caps
 
 
-def host_ratio(model: str, threads: int, profile: str | None, graph: str, rounds: int = 7) -> dict[str, float]:
-    """This host's time over the profile's, at (T, 1) alone and (1, 2) filling the cores, measured now.
+def host_ratio(model: str, threads: int, profile: str | None, graph: str, rounds: int = 7) -> dict[int, float]:
+    """This host's time over the profile's by thread count: (T, 1) alone and (1, 2) filling the cores, timed now.
 
     The trace's rates come from the profile; a host that serves 1.6x slower
     than when it was profiled (this shared VM, within hours) runs every phase
     past saturation, and the comparison then says only how each setup
-    carries a backlog it never drains. ``--rate-scale auto`` divides the
-    rates by the median of these ratios, timed the way the profiler times a
-    point (the same child processes, copies started together, the slowest
-    copy's median of ``rounds`` after two warm-up rounds).
+    carries a backlog it never drains. ``--rate-scale auto`` stretches each
+    B's predicted latency by the ratio of its plan's thread count (the two
+    differ: 1.26x for one 2-thread instance and 1.61x for two 1-thread ones,
+    in one run here), timed the way the profiler times a point (the same
+    child processes, copies started together, the slowest copy's median of
+    ``rounds`` after two warm-up rounds).
     """
     from optimizer.profiling.child import ProfilingGroup
     from optimizer.profiling.options import ProfilingOptions
@@ -111,7 +122,7 @@ def host_ratio(model: str, threads: int, profile: str | None, graph: str, rounds
     loaded = Profile.load(resolve_profile_path(profile or model, mode=graph))
     topology = Topology.detect()
     options = ProfilingOptions(model=model, graph=graph)
-    ratios: dict[str, float] = {}
+    ratios: dict[int, float] = {}
     for t, b, copies in ((threads, 1, 1), (1, 2, threads)):
         profiled = loaded.entry(t, b)
         if profiled is None:
@@ -124,7 +135,7 @@ def host_ratio(model: str, threads: int, profile: str | None, graph: str, rounds
         finally:
             group.kill()
             group.close()
-        ratios[f"{t}x{b}" + (f" x{copies}" if copies > 1 else "")] = statistics.median(times) / profiled.mean_ms
+        ratios[t] = statistics.median(times) / profiled.mean_ms
     return ratios
 
 
@@ -605,16 +616,17 @@ def main(argv: list[str] | None = None) -> int:
         args.option.append(f"time_scale={args.time_scale}")
     caps = capacities(args.model, args.threads, profile, args.graph,
                       args.time_scale if args.model == "profiled" else 1.0)
-    measured: dict[str, float] = {}
+    measured: dict[int, float] = {}
     if args.rate_scale == "auto":
         if args.model == "profiled":
             raise SystemExit("--rate-scale auto times a real model; the profiled model sleeps as its profile says")
         measured = host_ratio(args.model, args.threads, profile, args.graph)
         if not measured:
             raise SystemExit("--rate-scale auto: the profile has neither (T, 1) nor (1, 2)")
-        args.rate_scale = 1.0 / statistics.median(measured.values())
-        print("host / profile: " + ", ".join(f"{k} {v:.2f}x" for k, v in measured.items())
-              + f"; rate scale {args.rate_scale:.2f}", flush=True)
+        print("host / profile: " + ", ".join(f"{t}-thread instances {v:.2f}x" for t, v in measured.items()),
+              flush=True)
+        args.rate_scale = 1.0
+        caps = capacities(args.model, args.threads, profile, args.graph, 1.0, host=measured)
     else:
         args.rate_scale = float(args.rate_scale)
     caps = {b: c * args.rate_scale for b, c in caps.items()}
