@@ -121,6 +121,9 @@ class EstimatorSettings(BaseModel):
                                   description="A larger B is taken on the estimate only while the recent dispatch "
                                               "rate is at least this share of the current B's capacity (the "
                                               "queue-delay trigger excepted).")
+    switch_factor: float = Field(default=2.0, ge=0,
+                                 description="A move down that needs an active-passive change waits this many "
+                                             "times the last one's over-subscribed seconds beyond its timeout.")
     knee: float = Field(default=0.05, ge=0, lt=1,
                         description="B̃ is lowered to the smallest B up to it whose planned capacity is within "
                                     "this fraction of the best of them: a larger B that serves no more only "
@@ -129,6 +132,8 @@ class EstimatorSettings(BaseModel):
 
 #: An estimate this many times the current B moves it up whether or not the current B looks busy.
 FAR_ABOVE = 4
+#: The stream-length samples the rates read are kept this far apart (seconds; see ``Policy.record_length``).
+LENGTH_RESOLUTION_S = 0.02
 
 
 def floor_pow2(x: float) -> int:
@@ -219,6 +224,11 @@ class Policy:
     _flow_since: float | None = None
     #: (time, stream length) samples of the last ``rate_window_s``: what the stream grew by.
     _lengths: deque[tuple[float, int]] = field(default_factory=deque)
+    #: Whether going from one B to another takes new processes (an active-passive change), by the plans;
+    #: None: unknown, every change counts as cheap.
+    needs_processes: Callable[[int, int], bool] | None = None
+    #: How long the last active-passive change over-subscribed the cores (seconds, as its history says).
+    switch_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.timeout_s = self.settings.reconfigure_timeout_s
@@ -235,8 +245,17 @@ class Policy:
         self._forget(now)
 
     def record_length(self, now: float, length: int) -> None:
-        """One sample of the request stream's length (the estimator's): the rate adds what it grew by."""
-        self._lengths.append((now, length))
+        """One sample of the request stream's length (the estimator's): the rate adds what it grew by.
+
+        Kept at most every ``LENGTH_RESOLUTION_S`` (a newer sample within it replaces the last): the
+        rates look at 1 s and 5 s windows, and each decision scans what is kept (a thousand samples
+        in 5 s took a third of the sampler's CPU).
+        """
+        if self._lengths and now - self._lengths[-1][0] < LENGTH_RESOLUTION_S and len(self._lengths) > 1 \
+                and now - self._lengths[-2][0] < LENGTH_RESOLUTION_S:
+            self._lengths[-1] = (now, length)
+        else:
+            self._lengths.append((now, length))
         horizon = now - self.settings.rate_window_s
         while len(self._lengths) > 1 and self._lengths[1][0] <= horizon:
             self._lengths.popleft()
@@ -245,7 +264,13 @@ class Policy:
         """How much the stream's length changed since ``since`` (by the samples; negative if it shrank)."""
         if not self._lengths:
             return 0
-        then = next((length for at, length in self._lengths if at >= since), self._lengths[-1][1])
+        # From the newest back (the 1 s window is the short end of the 5 s kept): the oldest sample at or
+        # after ``since``, or the newest if none is.
+        then = self._lengths[-1][1]
+        for at, length in reversed(self._lengths):
+            if at < since:
+                break
+            then = length
         return self._lengths[-1][1] - then
 
     def _growth(self, since: float) -> int:
@@ -307,7 +332,12 @@ class Policy:
 
     def _dispatched(self, since: float) -> int:
         """Requests dispatched since ``since`` (within the rate window kept)."""
-        return sum(size for at, size in self._flow if at >= since)
+        total = 0
+        for at, size in reversed(self._flow):  # newest first: the batches are in time order
+            if at < since:
+                break
+            total += size
+        return total
 
     def arrivals(self, now: float, window: float) -> float:
         """Requests that arrived per second over the last ``window``: dispatched, plus the stream's change in length.
@@ -467,18 +497,48 @@ class Policy:
         up = b_tilde > current
         climbing = up and (self.last_change is not None and self.last_change[1] > self.last_change[0]
                            or (capacity is not None and self.short_of_capacity(now, current, capacity)))
-        dwell = min(self.timeout_s, s.up_timeout_s) if up else self.timeout_s
+        dwell = min(self.timeout_s, s.up_timeout_s) if up else self.timeout_s + self.switch_wait(current, b_tilde)
         gap = dwell if climbing else self.timeout_s
         if self.last_change_at is not None and now - self.last_change_at < gap:
             return None
+        # Right after a move down, the stream holds what arrived while the change was carried out (an
+        # active-passive change over-subscribes the cores for a second or two): a large estimate or a
+        # long queueing delay then says how long the change took, not what the load needs. Up moves
+        # then need the arrivals to say so (the up guard), for one rate window. A move down the load
+        # outgrows is still undone at once: its arrivals are busy for the smaller B. (ResNet-50 on two
+        # cores, at 40% of B=1's capacity, went 4 -> 1 -> 4 within 2.5 s: Q̃ read 3.6 after the switch.)
+        settling = (self.last_change is not None and self.last_change[1] < self.last_change[0]
+                    and self.last_change_at is not None and now - self.last_change_at < s.rate_window_s)
         if self.disagree_since is not None and now - self.disagree_since >= dwell:
             # Two powers of two above B is no burst (a lone Poisson burst at low load reads 2-3 at B=1):
             # the queue builds whatever the planned capacity says (a machine slower than its profile).
-            if not up or worth >= FAR_ABOVE * current or self.busy(now, current, capacity):
+            if (not up or (worth >= FAR_ABOVE * current and not settling)
+                    or self.busy(now, current, capacity)):
                 return Decision(b_tilde, self._reason(estimated, worth, b_tilde), current, q_tilde)
             # A burst, or the feedback of a larger B's slower lone requests, not a load that B cannot
             # carry: stay (a queue that really builds still moves B, through the queue-delay trigger).
+        if up and settling and not self.busy(now, current, capacity):
+            return None
         return self._triggered(current, b_tilde, q_tilde, predicted_ms)
+
+    def switch_wait(self, current: int, target: int) -> float:
+        """What a move down waits beyond its timeout for the switch it takes: ``switch_factor`` × the last
+        active-passive change's over-subscribed seconds, when the plans say it needs new processes.
+
+        A change of thread counts over-subscribes the cores while the new
+        instances warm up and the old ones drain: 2.4 s for ResNet-50 on two
+        cores (one 2-thread instance to two 1-thread ones), 0.1-0.3 s for the
+        sleeping model at 16 simulated cores. A lower B pays for that only
+        if the load stays low: at 40% of B=1's capacity the ResNet-50 trace
+        went 4 -> 1 and, 2.5 s later, 1 -> 4 (two switches, 3.4 s
+        over-subscribed, for the lone requests of 2.5 s). Waiting twice the
+        switch's length keeps such a round trip to at most a third of the
+        time; a reshare (same instances, other shares) costs nothing and
+        waits nothing more. Moves up never wait for it: the load must be served.
+        """
+        if self.needs_processes is None or not self.switch_s or not self.needs_processes(current, target):
+            return 0.0
+        return self.settings.switch_factor * self.switch_s
 
     @staticmethod
     def _reason(estimated: int, worth: int, target: int) -> str:

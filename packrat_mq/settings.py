@@ -98,6 +98,11 @@ class Settings(BaseSettings):
         description="The estimator asks for no larger B than the smallest whose planned capacity is within this "
                     "fraction of the best up to its estimate (a larger B that serves no more only slows batches).",
     )
+    estimator_switch_factor: float = Field(
+        default=2.0, ge=0,
+        description="A move down that needs new processes (active-passive) waits this many times the last such "
+                    "change's over-subscribed seconds beyond its timeout: it must be worth the switch.",
+    )
     adaptive_min_batch: int = Field(default=1, ge=1, description="Smallest B the estimator asks for.")
     adaptive_max_batch: int = Field(default=32, ge=1, description="Largest B the estimator asks for.")
     trigger_period_s: float = Field(

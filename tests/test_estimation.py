@@ -636,3 +636,93 @@ def test_a_move_down_stops_at_the_b_that_carries_the_load() -> None:
         d = policy.decide(t, 32, 4, 4.0, capacity=CAPACITY.get)
     assert d is not None and d.batch == 16
     assert d.reason.startswith("timeouts") or "need B=16" in d.reason
+
+
+def test_the_backlog_of_a_move_down_does_not_move_b_back_up() -> None:
+    """4 -> 1 at 4 req/s (B=1 carries 11.1/s): the switch held requests, Q̃ reads 4 and their waits are
+    long, but what arrives is 40% of B=1's capacity. No move for the rate window; a real load still moves."""
+    policy = Policy()
+    policy.decide(0.0, 4, 4)
+    t = dispatch_at(policy, 0.0, 6.0, 4.0, 1, True)
+    policy.changed(t, 4, 1)
+    for k in range(6):  # the held requests, dispatched one by one after the switch, each waited long
+        t += 0.15
+        policy.record_batch(t, 1, False, 900.0 - 100.0 * k)
+    end = t + 3.0
+    while t < end:
+        t += 0.005
+        assert policy.decide(t, 1, 4, 4.0, predicted_ms=90.0, capacity=FLAT.get) is None
+    # The same estimate with a load B=1 cannot carry: up within the up timeout.
+    busy = Policy()
+    busy.decide(0.0, 4, 4)
+    t = dispatch_at(busy, 0.0, 6.0, 12.0, 2, False)
+    busy.changed(t, 4, 1)
+    changed_at = t
+    t = dispatch_at(busy, t, 0.5, 12.0, 1, False)
+    d = None
+    while d is None and t < changed_at + 1.0:
+        t += 0.005
+        d = busy.decide(t, 1, 4, 4.0, capacity=FLAT.get)
+    assert d is not None and d.batch == 4
+
+
+# --- a move down must be worth its switch ---------------------------------------------
+def test_a_move_down_that_takes_new_processes_waits_for_what_the_switch_costs() -> None:
+    """The last active-passive change over-subscribed the cores 2.4 s: 4 -> 1 (one 2-thread instance for two
+    1-thread ones) waits 1 + 2 x 2.4 s; 4 -> 2 (a reshare of the same two instances) waits the 1 s timeout."""
+    def first_down(target: int) -> float:
+        policy = Policy(needs_processes=lambda a, b: (a == 1) != (b == 1))
+        policy.switch_s = 2.4
+        policy.decide(0.0, 4, 4)
+        t = dispatch_at(policy, 0.0, 6.0, 2.0, 1, True)
+        policy.changed(t, 1, 4)
+        start = t
+        for k in range(6000):  # 30 s of 5 ms samples, 2 req/s
+            t += 0.005
+            if k % 100 == 0:
+                policy.record_batch(t, 1, True, 5.0)
+            d = policy.decide(t, 4, target, 0.5, capacity=FLAT.get)
+            if d is not None:
+                assert d.batch == target
+                return t - start
+        raise AssertionError("no move down")
+
+    assert 5.8 <= first_down(1) <= 5.8 + 0.1
+    assert 1.0 <= first_down(2) <= 1.0 + 0.1
+    # Unknown switch cost or layout: the timeout alone.
+    assert Policy().switch_wait(4, 1) == 0.0
+    assert Policy(needs_processes=lambda a, b: True).switch_wait(4, 1) == 0.0
+
+
+def test_planned_layouts_say_which_changes_take_new_processes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from dispatcher.adaptive import PlannedCapacity
+    from optimizer.planning.profile import Profile, ProfileEntry
+
+    # Two cores: one 2-thread instance is best for a lone request, two 1-thread ones for anything more.
+    points = {(1, 1): 100.0, (1, 2): 190.0, (1, 4): 380.0, (2, 1): 60.0, (2, 2): 120.0, (2, 4): 240.0,
+              (2, 8): 480.0, (1, 8): 760.0}
+    path = Profile(model="tiny", entries=tuple(ProfileEntry(threads=t, batch=b, mean_ms=ms)
+                                               for (t, b), ms in points.items())).save(tmp_path / "p.json")
+    cap = PlannedCapacity("tiny", str(path))
+    assert not cap.needs_processes(4, 1)  # no budgets yet: unknown, never delayed
+    cap.budgets = {"n1": 2}
+    assert cap.layout(1) == {"n1": frozenset({2})}
+    assert cap.layout(4) == {"n1": frozenset({1})}
+    assert cap.needs_processes(4, 1) and not cap.needs_processes(4, 2)
+
+
+def test_the_sampler_reads_the_switch_cost_from_the_history() -> None:
+    import json
+
+    a, clock, fake = _adaptive_on(0, 4)
+    a.serving(1, 2, True, 20.0)  # a change took effect
+    fake.lpush(a.keys.reconfigurations("m"), json.dumps({"decided": 5.0, "kind": "active-passive",
+                                                          "status": "done", "oversubscribed_s": 2.35}))
+    a.read_switch()
+    assert a.policy.switch_s == pytest.approx(2.35)
+    # A reshare after it changes nothing; it is read once.
+    a.serving(2, 3, True, 20.0)
+    fake.lpush(a.keys.reconfigurations("m"), json.dumps({"decided": 9.0, "kind": "reshare",
+                                                          "status": "done", "oversubscribed_s": 0.0}))
+    a.read_switch()
+    assert a.policy.switch_s == pytest.approx(2.35) and a._history_due is None
