@@ -519,6 +519,9 @@ class Policy:
             # carry: stay (a queue that really builds still moves B, through the queue-delay trigger).
         if up and settling and not self.busy(now, current, capacity):
             return None
+        if not up and self.switch_wait(current, b_tilde) and (
+                self.disagree_since is None or now - self.disagree_since < self.switch_wait(current, b_tilde)):
+            return None  # a move down that needs new processes waits for what it costs, trigger or not
         return self._triggered(current, b_tilde, q_tilde, predicted_ms)
 
     def switch_wait(self, current: int, target: int) -> float:

@@ -689,6 +689,25 @@ def test_a_move_down_that_takes_new_processes_waits_for_what_the_switch_costs() 
 
     assert 5.8 <= first_down(1) <= 5.8 + 0.1
     assert 1.0 <= first_down(2) <= 1.0 + 0.1
+    # The timeouts trigger moves a reshare before the dwell is over, but not a switch before its cost.
+    for target, earliest in ((2, 0.0), (1, 4.8)):
+        policy = Policy(needs_processes=lambda a, b: (a == 1) != (b == 1))
+        policy.switch_s = 2.4
+        policy.changed(0.0, 1, 4)
+        t = 5.0
+        policy.decide(t, 4, 4)
+        for k in range(20):  # 20 batches cut by the timeout in the last second
+            t += 0.05
+            policy.record_batch(t, 1, True, 5.0)
+        decided_at = None
+        for k in range(2000):
+            t += 0.005
+            d = policy.decide(t, 4, target, 0.5)  # no capacity known: the trigger's own evidence
+            if d is not None:
+                decided_at = t
+                break
+        assert d is not None and (d.reason == "timeouts") == (target == 2)
+        assert decided_at is not None and decided_at - 6.0 >= earliest
     # Unknown switch cost or layout: the timeout alone.
     assert Policy().switch_wait(4, 1) == 0.0
     assert Policy(needs_processes=lambda a, b: True).switch_wait(4, 1) == 0.0
