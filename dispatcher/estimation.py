@@ -371,7 +371,8 @@ class Policy:
         # Not yet a period of batches seen (a dispatcher just started): no smaller B blind.
         return rate is None or rate > (1 - self.settings.capacity_margin) * cap
 
-    def busy(self, now: float, batch: int, capacity: Callable[[int], float | None] | None) -> bool:
+    def busy(self, now: float, batch: int, capacity: Callable[[int], float | None] | None,
+             sustained: bool = False) -> bool:
         """Whether ``batch`` is loaded enough that a larger B may pay.
 
         Busy: the arrivals of the rate window (5 s) are at least
@@ -386,6 +387,13 @@ class Policy:
 
         Unknown (no capacity, or less than one trigger period watched) counts
         as busy: the estimate alone decides, as before.
+
+        ``sustained``: the rate window's arrivals only. A move up that takes new
+        processes costs an active-passive switch (2.7 s over-subscribed for
+        ResNet-50 on two cores), longer than a burst takes to drain at the
+        current B: at 2.2 requests/s eight arrived within a second, B went
+        1 -> 4, and the burst's requests waited for the switch, up to 3 s.
+        A real step fills the 5 s window within about a second more.
         """
         cap = capacity(batch) if capacity is not None else None
         span = self._span(now)
@@ -393,7 +401,7 @@ class Policy:
             return True
         s = self.settings
         return (self.arrivals(now, span) >= s.up_utilisation * cap
-                or self.arrivals(now, s.trigger_period_s) >= cap)
+                or (not sustained and self.arrivals(now, s.trigger_period_s) >= cap))
 
     def _candidates(self, upto: int) -> list[int]:
         """The values B̂ takes up to ``upto``: ``min_batch``, the powers of two above it, and ``upto``."""
@@ -513,7 +521,7 @@ class Policy:
             # Two powers of two above B is no burst (a lone Poisson burst at low load reads 2-3 at B=1):
             # the queue builds whatever the planned capacity says (a machine slower than its profile).
             if (not up or (worth >= FAR_ABOVE * current and not settling)
-                    or self.busy(now, current, capacity)):
+                    or self.busy(now, current, capacity, sustained=self.needs_switch(current, b_tilde))):
                 return Decision(b_tilde, self._reason(estimated, worth, b_tilde), current, q_tilde)
             # A burst, or the feedback of a larger B's slower lone requests, not a load that B cannot
             # carry: stay (a queue that really builds still moves B, through the queue-delay trigger).
@@ -523,6 +531,10 @@ class Policy:
                 self.disagree_since is None or now - self.disagree_since < self.switch_wait(current, b_tilde)):
             return None  # a move down that needs new processes waits for what it costs, trigger or not
         return self._triggered(current, b_tilde, q_tilde, predicted_ms)
+
+    def needs_switch(self, current: int, target: int) -> bool:
+        """Whether the plans say going from ``current`` to ``target`` takes new processes (False: unknown)."""
+        return self.needs_processes is not None and self.needs_processes(current, target)
 
     def switch_wait(self, current: int, target: int) -> float:
         """What a move down waits beyond its timeout for the switch it takes: ``switch_factor`` × the last
@@ -539,7 +551,7 @@ class Policy:
         time; a reshare (same instances, other shares) costs nothing and
         waits nothing more. Moves up never wait for it: the load must be served.
         """
-        if self.needs_processes is None or not self.switch_s or not self.needs_processes(current, target):
+        if not self.switch_s or not self.needs_switch(current, target):
             return 0.0
         return self.settings.switch_factor * self.switch_s
 

@@ -745,3 +745,36 @@ def test_the_sampler_reads_the_switch_cost_from_the_history() -> None:
                                                           "status": "done", "oversubscribed_s": 0.0}))
     a.read_switch()
     assert a.policy.switch_s == pytest.approx(2.35) and a._history_due is None
+
+
+def test_a_burst_does_not_start_a_switch_but_a_step_does() -> None:
+    """At B=1 (one 2-thread instance; every larger B two 1-thread ones) 2.2 req/s against 7.5/s: eight requests
+    a second for a moment reach B=1's capacity, but a switch costs more than they take to drain. A step moves."""
+    switch = lambda a, b: (a == 1) != (b == 1)  # noqa: E731
+    cap = {1: 7.5, 2: 8.8, 4: 11.4, 8: 10.6, 16: 8.8, 32: 9.4}
+
+    def burst(policy: Policy) -> Decision | None:
+        policy.decide(0.0, 1, 1)
+        t = dispatch_at(policy, 0.0, 8.0, 2.2, 1, False)
+        t = dispatch_at(policy, t, 1.0, 8.0, 1, False)
+        assert policy.busy(t, 1, cap.get) and not policy.busy(t, 1, cap.get, sustained=True)
+        d = None
+        for k in range(100):  # half a second more of it, sampled every 5 ms
+            t += 0.005
+            if k % 25 == 0:
+                policy.record_batch(t, 1, False, 5.0)
+            d = d or policy.decide(t, 1, 2, 3.2, capacity=cap.get)
+        return d
+
+    assert burst(Policy(needs_processes=switch)) is None
+    # Without a switch to pay for (a reshare), the same burst moves B.
+    assert burst(Policy(needs_processes=lambda a, b: False)) is not None
+    # A step to 10.3/s fills the 5 s window: up within two seconds.
+    step = Policy(needs_processes=switch)
+    step.decide(0.0, 1, 1)
+    t = dispatch_at(step, 0.0, 8.0, 2.2, 1, False)
+    start, d = t, None
+    while d is None and t < start + 4.0:
+        t = dispatch_at(step, t, 0.05, 10.3, 1, False)
+        d = step.decide(t, 1, 2, 3.2, capacity=cap.get)
+    assert d is not None and d.batch == 4 and t - start <= 2.0
