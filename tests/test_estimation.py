@@ -164,7 +164,8 @@ def test_timeouts_move_to_a_smaller_estimate_before_the_dwell_is_over() -> None:
         t += 0.05
         policy.record_batch(t, 3 + k % 3, True, 5.0)
     assert policy.decide(t, 32, 32) is None  # the estimate still says 32: no reason to go
-    d = policy.decide(t + 0.01, 32, 4)  # B̃ just fell to 4: no 1 s dwell needed
+    assert policy.decide(t + 0.01, 32, 4) is None  # B̃ just fell to 4: held for the up timeout, not the 1 s dwell
+    d = policy.decide(t + 0.3, 32, 4)
     assert d is not None and d.reason == "timeouts" and d.batch == 4
 
 
@@ -224,24 +225,28 @@ def test_a_smaller_batch_that_cannot_carry_the_load_is_refused() -> None:
     assert policy.decide(t, 32, 16, capacity=CAPACITY.get) is None
     # When the load falls, B goes down (once the 5 s rate has).
     t = dispatch_at(policy, t, 6.0, 60.0, 4, True)
-    d = policy.decide(t, 32, 16, capacity=CAPACITY.get)
+    policy.decide(t, 32, 16, capacity=CAPACITY.get)
+    d = policy.decide(t + 0.3, 32, 16, capacity=CAPACITY.get)
     assert d is not None and d.batch == 16
-    # Without the capacity known the timeouts trigger moves at once.
+    # Without the capacity known the timeouts trigger moves within the up timeout.
     d = Policy(); d.changed(0.0, 16, 32)
     t2 = dispatch_at(d, 5.0, 2.0, 165.0, 8, True)
-    assert d.decide(t2, 32, 16).reason == "timeouts"  # type: ignore[union-attr]
+    d.decide(t2, 32, 16)
+    assert d.decide(t2 + 0.3, 32, 16).reason == "timeouts"  # type: ignore[union-attr]
 
 
 def test_a_smaller_batch_with_room_to_spare_is_taken() -> None:
     policy = Policy()
     policy.changed(0.0, 16, 32)
     t = dispatch_at(policy, 5.0, 2.0, 120.0, 8, True)  # B=16 serves 168/s: 120 leaves 29% spare (> 20%)
-    d = policy.decide(t, 32, 16, capacity=CAPACITY.get)
+    policy.decide(t, 32, 16, capacity=CAPACITY.get)
+    d = policy.decide(t + 0.3, 32, 16, capacity=CAPACITY.get)
     assert d is not None and d.batch == 16
     # An unknown capacity refuses nothing.
     p2 = Policy(); p2.changed(0.0, 16, 32)
     t2 = dispatch_at(p2, 5.0, 2.0, 165.0, 8, True)
-    assert p2.decide(t2, 32, 16, capacity=lambda b: None) is not None
+    p2.decide(t2, 32, 16, capacity=lambda b: None)
+    assert p2.decide(t2 + 0.3, 32, 16, capacity=lambda b: None) is not None
 
 
 def test_the_guard_keeps_a_steady_near_saturation_load_on_one_batch() -> None:
@@ -632,7 +637,7 @@ def test_a_move_down_stops_at_the_b_that_carries_the_load() -> None:
     t = dispatch_at(policy, 0.0, 6.0, 120.0, 8, True)
     d = None
     while d is None and t < 9.0:
-        t += 0.005
+        t = dispatch_at(policy, t, 0.005, 120.0, 8, True)  # the load goes on
         d = policy.decide(t, 32, 4, 4.0, capacity=CAPACITY.get)
     assert d is not None and d.batch == 16
     assert d.reason.startswith("timeouts") or "need B=16" in d.reason
