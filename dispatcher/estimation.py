@@ -74,6 +74,17 @@ against a static B=32 whose 50 ms timeout cut batches of one or two (mean
 completion time is (Q + B) / (2 · capacity(B)): past the knee a larger B only
 loses.
 
+A sixth, the target (:meth:`Policy.carrying`): B̃ is raised to the smallest B
+whose planned capacity carries the measured arrivals with the capacity
+margin, so a step goes there in one change and a lull under load does not
+take B below it. And a seventh, the switch: a change of thread counts
+(active-passive, :meth:`Policy.switch_wait`) must be worth what it costs. A
+move down that takes new processes waits twice the last such change's
+over-subscribed seconds beyond its timeout; a move up that takes them needs
+the rate window's arrivals, not one second's burst; for a rate window after
+a move down, the backlog of the switch itself moves nothing up unless the
+arrivals do.
+
 Everything here is pure (a clock is passed in), so the rules are tested
 without Redis or processes; :mod:`dispatcher.adaptive` runs them in the
 dispatcher.
