@@ -200,6 +200,8 @@ class Adaptive:
         self.policy.needs_processes = getattr(capacity, "needs_processes", None)
         #: Since a change took effect, until its history entry is read (monotonic; None: nothing to read).
         self._history_due: float | None = None
+        #: When that change took effect (the reads stop a minute after it).
+        self._history_since: float | None = None
         self._history_seen: float | None = None
         #: The sampler's own connection (:meth:`_xlen`).
         self._conn: Any = None
@@ -211,7 +213,7 @@ class Adaptive:
             now = self.clock()
             if self.batch is not None and batch != self.batch:
                 self.policy.changed(now, self.batch, batch)
-                self._history_due = now
+                self._history_due = self._history_since = now
             self.batch, self.generation, self.adaptive, self.predicted_ms = batch, generation, adaptive, predicted_ms
             if self._requested is not None and (self._requested[0] == batch or not adaptive):
                 self._requested = None
@@ -303,11 +305,11 @@ class Adaptive:
         ``LINDEX`` a second until then (for a minute at most), in this
         thread, off the request path.
         """
-        due = self._history_due
+        due, since = self._history_due, self._history_since
         now = self.clock()
         if due is None or now < due:
             return
-        self._history_due = now + 1.0 if now - due < 60.0 else None
+        self._history_due = now + 1.0 if since is not None and now - since < 60.0 else None
         raw = self.r.lindex(self.keys.reconfigurations(self.model), 0)
         if raw is None:
             return

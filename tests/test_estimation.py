@@ -783,3 +783,12 @@ def test_a_burst_does_not_start_a_switch_but_a_step_does() -> None:
         t = dispatch_at(step, t, 0.05, 10.3, 1, False)
         d = step.decide(t, 1, 2, 3.2, capacity=cap.get)
     assert d is not None and d.batch == 4 and t - start <= 2.0
+
+
+def test_the_sampler_stops_looking_for_a_history_entry_after_a_minute() -> None:
+    a, clock, fake = _adaptive_on(0, 4)
+    a.serving(1, 2, True, 20.0)
+    for _ in range(70):  # no entry is ever written (a supervisor gone mid-change)
+        clock.t += 1.0
+        a.read_switch()
+    assert a._history_due is None and a.policy.switch_s == 0.0
