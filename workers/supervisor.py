@@ -223,6 +223,8 @@ class Supervisor:
         #: Spare id -> the pid whose record said ``spare`` (loaded): read from Redis once per process.
         self._loaded: dict[str, int] = {}
         self._largest: int | None = None
+        #: The batch sizes a pre-started spare warms up at (:meth:`_spare_batches`), planned once.
+        self._spare_sizes: list[int] | None = None
         #: When the current CPU-use window began (monotonic; None: no window yet).
         self._cpu_window_at: float | None = None
         #: Monotonic time before which the machine is settling after a change (see ``SETTLE_S``).
@@ -258,13 +260,14 @@ class Supervisor:
                                   a.socket, a.pin)
 
     def _new_instance(self, instance_id: str, threads: int, batch: int, cpus: list[int], socket: int, pin: bool,
-                      *, spare: bool = False) -> Instance:
+                      *, spare: bool = False, warm_batches: list[int] | None = None) -> Instance:
         """An instance not yet started: its record in the deployment, its worker spec, its process."""
         record = InstanceRecord(id=instance_id, threads=threads, batch=batch, cpus=cpus, socket=socket,
                                 node=self.node)
         spec = WorkerSpec(url=self.url, settings=self.settings, model=self.model, handler=self.handler,
                           instance_id=instance_id, threads=threads, batch=batch, cpus=cpus, socket=socket, pin=pin,
-                          graph_mode=self.graph_mode, options=self.options, parent_pid=os.getpid(), spare=spare)
+                          graph_mode=self.graph_mode, options=self.options, parent_pid=os.getpid(), spare=spare,
+                          warm_batches=warm_batches or [])
         child = Child(name=f"instance {instance_id}", module="workers.worker", spec_json=spec.model_dump_json(),
                       record_key=self.keys.instance(self.model, instance_id), record=InstanceState,
                       env=instance_env(threads, self.settings))
@@ -555,6 +558,26 @@ class Supervisor:
             b *= 2
         return largest
 
+    def _spare_batches(self) -> list[int]:
+        """The batch sizes the adaptive range's plans give 1-thread instances (what a spare is re-bound to).
+
+        A pre-started spare warms up at each (``WorkerSpec.warm_batches``), so that a change to one of
+        these plans takes no warm-up while the old instances serve beside it.
+        """
+        if self._spare_sizes is None:
+            s = self.settings
+            sizes: set[int] = set()
+            b = 1
+            while b <= s.adaptive_max_batch:
+                if b >= s.adaptive_min_batch:
+                    try:
+                        sizes |= {i.batch for i in self.planner(self._share(b)).instances if i.threads == 1}
+                    except Exception as exc:  # noqa: BLE001 - a B the profile cannot plan warms nothing
+                        log.debug("no plan for B=%d to warm the spares at: %s", b, exc)
+                b *= 2
+            self._spare_sizes = sorted(sizes)
+        return self._spare_sizes
+
     def _room_for_spare(self) -> bool:
         """Whether there is memory to spare: above ``spare_min_free_fraction`` available.
 
@@ -645,7 +668,7 @@ class Supervisor:
         cpus = [c.cpus[0] for c in cores if c.socket == cores[0].socket]
         self._spare_seq += 1
         inst = self._new_instance(f"{self.node}-spare-{self._spare_seq}", 1, 1, cpus, cores[0].socket, pin,
-                                  spare=True)
+                                  spare=True, warm_batches=self._spare_batches())
         self._start_instance(inst)
         self.spares.append(inst)
 
