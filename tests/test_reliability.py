@@ -407,6 +407,9 @@ def test_dispatcher_recreates_its_group_when_redis_lost_it(r: redis.Redis, setti
     d = make_dispatcher(r, settings)
     t = threading.Thread(target=d.run, daemon=True)
     t.start()
+    # run() sets up again (the group included) before it starts its estimator: delete the stream only
+    # after that, or a slow thread recreates the group itself and never meets NOGROUP (one full run did).
+    assert eventually(lambda: d.adaptive._thread is not None)
     try:
         r.delete(settings.keys.requests(MODEL))
         r.xadd(settings.keys.requests(MODEL), protocol.request_fields("a", settings.keys.replies("c"), b"1", protocol.JSON))
