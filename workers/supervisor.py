@@ -545,18 +545,22 @@ class Supervisor:
             self._largest = self._largest_plan()
         return self._largest
 
-    def _largest_plan(self) -> int:
-        """The most instances any plan of the adaptive range (every power of two B) has."""
+    def _range_plans(self) -> list[Configuration]:
+        """The plans of the adaptive range (every power of two B in it) that the profile can make."""
         s = self.settings
-        largest, b = 0, 1
+        plans, b = [], 1
         while b <= s.adaptive_max_batch:
             if b >= s.adaptive_min_batch:
                 try:
-                    largest = max(largest, len(self.planner(self._share(b)).instances))
-                except Exception as exc:  # noqa: BLE001 - a B the profile cannot plan keeps no spare for it
+                    plans.append(self.planner(self._share(b)))
+                except Exception as exc:  # noqa: BLE001 - a B the profile cannot plan sizes no spare
                     log.debug("no plan for B=%d to size the spares by: %s", b, exc)
             b *= 2
-        return largest
+        return plans
+
+    def _largest_plan(self) -> int:
+        """The most instances any plan of the adaptive range has."""
+        return max((len(plan.instances) for plan in self._range_plans()), default=0)
 
     def _spare_batches(self) -> list[int]:
         """The batch sizes the adaptive range's plans give 1-thread instances (what a spare is re-bound to).
@@ -565,17 +569,8 @@ class Supervisor:
         these plans takes no warm-up while the old instances serve beside it.
         """
         if self._spare_sizes is None:
-            s = self.settings
-            sizes: set[int] = set()
-            b = 1
-            while b <= s.adaptive_max_batch:
-                if b >= s.adaptive_min_batch:
-                    try:
-                        sizes |= {i.batch for i in self.planner(self._share(b)).instances if i.threads == 1}
-                    except Exception as exc:  # noqa: BLE001 - a B the profile cannot plan warms nothing
-                        log.debug("no plan for B=%d to warm the spares at: %s", b, exc)
-                b *= 2
-            self._spare_sizes = sorted(sizes)
+            self._spare_sizes = sorted({i.batch for plan in self._range_plans() for i in plan.instances
+                                        if i.threads == 1})
         return self._spare_sizes
 
     def _room_for_spare(self) -> bool:
