@@ -312,7 +312,9 @@ def test_retired_instances_become_spares_and_later_changes_rebind_them(
         pids = pids_of(sup)
         assert len(pids) == 3
         back = sup.reconfigure(Configuration.parse("2x4"))
-        assert back.reused == 1 and sup.passive == [original]  # the very same process, bound again
+        # The very same process, bound again (passive, or already serving: a rebind to a binding it has
+        # run before takes no warm-up, so the change may be past its warming by now).
+        assert back.reused == 1 and original in sup.passive + sup.instances
         supervise_until(sup, lambda: sup.change is None, 60, "the switch back")
         assert [i.record.id for i in sup.instances] == [original.record.id]
         assert len(sup.spares) == 2
