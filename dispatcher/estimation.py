@@ -516,7 +516,8 @@ class Policy:
         up = b_tilde > current
         climbing = up and (self.last_change is not None and self.last_change[1] > self.last_change[0]
                            or (capacity is not None and self.short_of_capacity(now, current, capacity)))
-        dwell = min(self.timeout_s, s.up_timeout_s) if up else self.timeout_s + self.switch_wait(current, b_tilde)
+        switch_wait = 0.0 if up else self.switch_wait(current, b_tilde)
+        dwell = min(self.timeout_s, s.up_timeout_s) if up else self.timeout_s + switch_wait
         gap = dwell if climbing else self.timeout_s
         if self.last_change_at is not None and now - self.last_change_at < gap:
             return None
@@ -538,8 +539,7 @@ class Policy:
             # carry: stay (a queue that really builds still moves B, through the queue-delay trigger).
         if up and settling and not self.busy(now, current, capacity):
             return None
-        if not up and self.switch_wait(current, b_tilde) and (
-                self.disagree_since is None or now - self.disagree_since < self.switch_wait(current, b_tilde)):
+        if switch_wait and (self.disagree_since is None or now - self.disagree_since < switch_wait):
             return None  # a move down that needs new processes waits for what it costs, trigger or not
         return self._triggered(now, current, b_tilde, q_tilde, predicted_ms)
 
