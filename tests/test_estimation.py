@@ -79,18 +79,28 @@ def first_decision(policy: Policy, est: Estimator, clock: Clock, length: int, cu
     return None
 
 
+def sample_and_apply(policy: Policy, est: Estimator, clock: Clock, length: float, current: int,
+                     capacity: dict[int, float] | None = None) -> tuple[int, Decision | None]:
+    """One sample at ``clock.t``; its decision, if any, applied at once (a reconfiguration that takes no time)."""
+    est.observe(length, current)
+    d = policy.decide(clock.t, current, est.b_tilde, est.q_tilde,
+                      capacity=capacity.get if capacity is not None else None)
+    if d is not None:
+        policy.changed(clock.t, current, d.batch)
+        current = d.batch
+    return current, d
+
+
 def drive(policy: Policy, est: Estimator, clock: Clock, lengths: list[float], current: int,
           sample_s: float = 0.005) -> tuple[int, list[tuple[float, int, int, str]]]:
     """Feed samples; apply each decision at once (as a reconfiguration that takes no time)."""
     changes: list[tuple[float, int, int, str]] = []
     for q in lengths:
         clock.t += sample_s
-        est.observe(q, current)
-        d = policy.decide(clock.t, current, est.b_tilde, est.q_tilde)
+        old = current
+        current, d = sample_and_apply(policy, est, clock, q, current)
         if d is not None:
-            changes.append((clock.t, current, d.batch, d.reason))
-            policy.changed(clock.t, current, d.batch)
-            current = d.batch
+            changes.append((clock.t, old, d.batch, d.reason))
     return current, changes
 
 
@@ -260,12 +270,9 @@ def test_the_guard_keeps_a_steady_near_saturation_load_on_one_batch() -> None:
         if k % 10 == 9 and waiting:
             policy.record_batch(clock.t, waiting, True, 5.0)
             waiting = 0
-        est.observe(rng.uniform(12, 40), current)
-        d = policy.decide(clock.t, current, est.b_tilde, est.q_tilde, capacity=CAPACITY.get)
+        current, d = sample_and_apply(policy, est, clock, rng.uniform(12, 40), current, CAPACITY)
         if d is not None:
             changes.append(d)
-            policy.changed(clock.t, current, d.batch)
-            current = d.batch
     assert changes == [] and current == 32
 
 
@@ -275,11 +282,7 @@ def test_an_idle_deployment_started_large_still_comes_down() -> None:
     current = 32
     for _ in range(1000):
         clock.t += 0.005
-        est.observe(0, current)
-        d = policy.decide(clock.t, current, est.b_tilde, est.q_tilde, capacity=CAPACITY.get)
-        if d is not None:
-            policy.changed(clock.t, current, d.batch)
-            current = d.batch
+        current, _ = sample_and_apply(policy, est, clock, 0, current, CAPACITY)
     assert current == 1
 
 
@@ -600,12 +603,9 @@ def test_a_lull_at_90_percent_load_does_not_take_b_below_what_carries_it() -> No
         while next_arrival <= clock.t:
             policy.record_batch(next_arrival, 1, True, 5.0)
             next_arrival += rng.expovariate(16.0)
-        est.observe(rng.choice((0, 1, 1, 2, 3)), current)
-        d = policy.decide(clock.t, current, est.b_tilde, est.q_tilde, capacity=FLAT.get)
+        current, d = sample_and_apply(policy, est, clock, rng.choice((0, 1, 1, 2, 3)), current, FLAT)
         if d is not None:
             changes.append(d)
-            policy.changed(clock.t, current, d.batch)
-            current = d.batch
     assert changes == [] and current == 4
 
 
