@@ -31,6 +31,7 @@ from dispatcher.estimation import Decision, Estimator, EstimatorSettings, Policy
 from optimizer.planning.selection import choose
 from packrat_mq import control
 from packrat_mq.deployment import node_share
+from packrat_mq.instances import Configuration
 from packrat_mq.settings import Settings
 
 log = logging.getLogger("packrat_mq.dispatcher.adaptive")
@@ -72,11 +73,9 @@ class PlannedCapacity:
         #: Per node, served / profiled latency as its supervisor measures it (``optimizer.planning.drift``):
         #: a node serving 1.9x slower than its profile carries 1/1.9 of the planned load. 1 where unknown.
         self.ratios: dict[str, float] = {}
-        #: Per (B, budgets, mode): each node's planned capacity (requests/s), None where no plan says.
+        #: Per (B, budgets, mode): each node's share and plan (:meth:`_plans`), None where no plan says.
         #: The ratios are applied at each call: they move every few seconds, the plans do not.
-        self._cache: dict[tuple[Any, ...], dict[str, float] | None] = {}
-        #: Per (B, budgets, mode): each node's instance thread counts by its plan (:meth:`layout`).
-        self._layouts: dict[tuple[Any, ...], dict[str, frozenset[int]] | None] = {}
+        self._cache: dict[tuple[Any, ...], dict[str, tuple[int, Configuration]] | None] = {}
         #: What each B's capacity was the last time, for the budgets, ratios and mode of ``_values_for``.
         self._values: dict[int, float | None] = {}
         self._values_for: tuple[Any, ...] = ()
@@ -94,35 +93,25 @@ class PlannedCapacity:
         return self._values[batch]
 
     def _capacity(self, batch: int) -> float | None:
-        if not self.profile or not self.budgets:
+        """The sum over nodes of ``share / L`` by their plans, each divided by its node's ratio."""
+        plans = self._plans(batch)
+        if plans is None:
             return None
-        key = (batch, tuple(sorted(self.budgets.items())), self.mode)
-        if key not in self._cache:
-            self._cache[key] = self._plan(batch)
-        planned = self._cache[key]
-        if planned is None:
-            return None
-        return sum(cap / self.ratios.get(node, 1.0) for node, cap in planned.items()) or None
+        total = 0.0
+        for node, (share, configuration) in plans.items():
+            latency = configuration.predicted_latency_ms
+            if not latency:
+                return None
+            total += share / (latency / 1000.0) / self.ratios.get(node, 1.0)
+        return total or None
 
     def layout(self, batch: int) -> dict[str, frozenset[int]] | None:
         """Per node, the thread counts of the instances its plan for B=``batch`` has (None where unknown)."""
-        if not self.profile or not self.budgets:
+        plans = self._plans(batch)
+        if plans is None:
             return None
-        key = (batch, tuple(sorted(self.budgets.items())), self.mode)
-        if key not in self._layouts:
-            layout: dict[str, frozenset[int]] | None = {}
-            for node, threads in self.budgets.items():
-                share = node_share(batch, self.budgets, node)
-                if share <= 0:
-                    continue
-                try:
-                    configuration = choose(self.model, threads, share, self.profile, mode=self.mode).configuration
-                except Exception:  # noqa: BLE001 - no plan: no layout known
-                    layout = None
-                    break
-                layout[node] = frozenset(i.threads for i in configuration.instances)
-            self._layouts[key] = layout
-        return self._layouts[key]
+        return {node: frozenset(i.threads for i in configuration.instances)
+                for node, (_, configuration) in plans.items()}
 
     def needs_processes(self, a: int, b: int) -> bool:
         """Whether going from B=``a`` to B=``b`` changes some node's instance thread counts (active-passive).
@@ -134,23 +123,30 @@ class PlannedCapacity:
             return False
         return any(la.get(node) != lb.get(node) for node in set(la) | set(lb))
 
-    def _plan(self, batch: int) -> dict[str, float] | None:
-        """Each node's ``share / L`` for B=``batch``, by the plan its supervisor would make; None if any has none."""
-        planned = {}
+    def _plans(self, batch: int) -> dict[str, tuple[int, Configuration]] | None:
+        """Each node's share of B=``batch`` and the plan its supervisor would make for it; None if any has none.
+
+        Planned once per (B, budgets, mode): the capacities and the layouts both read them.
+        """
+        if not self.profile or not self.budgets:
+            return None
+        key = (batch, tuple(sorted(self.budgets.items())), self.mode)
+        if key not in self._cache:
+            self._cache[key] = self._plan(batch)
+        return self._cache[key]
+
+    def _plan(self, batch: int) -> dict[str, tuple[int, Configuration]] | None:
+        plans = {}
         for node, threads in self.budgets.items():
             share = node_share(batch, self.budgets, node)
             if share <= 0:
                 continue
             try:
-                latency = choose(self.model, threads, share, self.profile,
-                                 mode=self.mode).configuration.predicted_latency_ms
-            except Exception as exc:  # noqa: BLE001 - no plan: no capacity known, nothing refused
-                log.debug("no planned capacity for %s at B=%d: %s", self.model, batch, exc)
+                plans[node] = (share, choose(self.model, threads, share, self.profile, mode=self.mode).configuration)
+            except Exception as exc:  # noqa: BLE001 - no plan: nothing known, nothing refused or delayed
+                log.debug("no plan for %s at B=%d: %s", self.model, batch, exc)
                 return None
-            if not latency:
-                return None
-            planned[node] = share / (latency / 1000.0)
-        return planned
+        return plans
 
 
 @dataclass(frozen=True)
