@@ -26,6 +26,8 @@ from urllib.parse import SplitResult, unquote, unquote_plus, urlsplit
 import redis
 
 from redis.cluster import ClusterNode, ClusterPipeline, RedisCluster
+from redis.connection import Encoder, HiredisRespSerializer, PythonRespSerializer
+from redis.utils import HIREDIS_AVAILABLE
 
 from packrat_mq.interrupts import uninterrupted
 from packrat_mq.settings import CLUSTER_SCHEMES, Settings, is_cluster_url
@@ -253,6 +255,36 @@ def check_cluster(r: Any, settings: Settings) -> None:
                          f"{'Redis Cluster' if settings.cluster else 'one Redis'}")
 
 
+#: A command with an argument longer than this is packed in Python, its value sent as it is (see :class:`Packer`).
+LARGE_ARGUMENT_BYTES = 6000
+
+
+class Packer:
+    """Packs commands into RESP: with hiredis, except commands that carry a large value.
+
+    redis-py packs every command with ``hiredis.pack_command`` when hiredis is
+    installed, and that copies each argument at well under 1 GB/s: packing
+    one XADD of a 602 KB image took 0.7 ms, four times what sending it and
+    Redis storing it took (0.16 ms on a raw socket). redis-py's own Python
+    packer instead hands a large value to ``sendall`` as it is. Measured on
+    the embedded server (60 interleaved rounds): eight pipelined 602 KB
+    XADDs 1.84 ms against 3.95 with hiredis's packer, while eight small
+    XADDs took 0.23 ms against 0.19. So a command is packed by hiredis unless
+    one of its arguments is longer than ``LARGE_ARGUMENT_BYTES``.
+    """
+
+    def __init__(self, encoder: Encoder) -> None:
+        self._python = PythonRespSerializer(LARGE_ARGUMENT_BYTES, encoder.encode)
+        self._hiredis = HiredisRespSerializer() if HIREDIS_AVAILABLE else None
+
+    def pack(self, *args: Any) -> list[Any]:
+        if self._hiredis is None or any(
+            isinstance(a, (bytes, bytearray, memoryview, str)) and len(a) > LARGE_ARGUMENT_BYTES for a in args
+        ):
+            return self._python.pack(*args)
+        return self._hiredis.pack(*args)
+
+
 def connect(url: str, **kwargs: Any) -> redis.Redis:
     """A client for ``url`` (redis://, rediss:// with TLS, unix://; user:password allowed).
 
@@ -283,6 +315,9 @@ def connect(url: str, **kwargs: Any) -> redis.Redis:
         kwargs.setdefault("require_full_coverage", False)
         return RedisCluster(url=first, startup_nodes=[ClusterNode(h, p) for h, p in nodes[1:]],  # type: ignore[return-value]
                             retry=retry, **kwargs)
+    kwargs.setdefault("command_packer", Packer(Encoder(kwargs.get("encoding", "utf-8"),
+                                                       kwargs.get("encoding_errors", "strict"),
+                                                       kwargs.get("decode_responses", False))))
     return redis.Redis.from_url(url, retry=retry, **kwargs)
 
 
