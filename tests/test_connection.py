@@ -7,9 +7,19 @@ from collections.abc import Iterator
 import pytest
 import redis
 from click.testing import CliRunner
+from redis.connection import Encoder, PythonRespSerializer
 
 from packrat_mq.cli import main
-from packrat_mq.connection import EmbeddedRedis, NoRedisError, connect, discover_url, discovery_file, resolve_url
+from packrat_mq.connection import (
+    LARGE_ARGUMENT_BYTES,
+    EmbeddedRedis,
+    NoRedisError,
+    Packer,
+    connect,
+    discover_url,
+    discovery_file,
+    resolve_url,
+)
 from packrat_mq.settings import Settings
 
 
@@ -73,16 +83,10 @@ def _wire(chunks: list) -> bytes:  # type: ignore[type-arg]
 
 def _reference(*args: object) -> bytes:
     """The RESP redis-py's own Python packer writes (no cutoff games: every piece joined)."""
-    from redis.connection import Encoder, PythonRespSerializer
-
     return _wire(PythonRespSerializer(10**9, Encoder("utf-8", "strict", False).encode).pack(*args))
 
 
 def test_packer_writes_the_same_bytes_and_passes_a_large_value_through_uncopied() -> None:
-    from redis.connection import Encoder
-
-    from packrat_mq.connection import LARGE_ARGUMENT_BYTES, Packer
-
     packer = Packer(Encoder("utf-8", "strict", False))
     small = ("XADD", "s", "*", "id", "r1", "reply_to", "my:replies", "payload", b'{"a": 1}', "n", 3, 1.5)
     assert _wire(packer.pack(*small)) == _reference(*small)
