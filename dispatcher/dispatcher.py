@@ -43,6 +43,7 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import redis
@@ -54,7 +55,7 @@ from dispatcher.partitioning import LatencyFn, split
 from dispatcher.reading import Entry, RequestReader
 from dispatcher.reclaiming import Reclaimer
 from dispatcher.waiting import DeadlineRead
-from packrat_mq import protocol, replies, streams
+from packrat_mq import protocol, replies, shared_payloads, streams
 from packrat_mq.backoff import Backoff
 from packrat_mq.connection import check_cluster, connect
 from packrat_mq.deployment import Deployment, InstanceRecord
@@ -92,6 +93,7 @@ class Dispatcher:
         check_cluster(r, settings)
         self.settings = settings
         self.keys = settings.keys
+        self.payload_files = settings.payload_files
         self.model = check_model_name(model)
         # One dispatcher per model: a stable consumer name lets a restarted
         # dispatcher take over the entries its predecessor read.
@@ -426,6 +428,7 @@ class Dispatcher:
             if unanswerable:
                 pipe.hincrby(stats_key, "unanswerable", unanswerable)
             replies.execute(pipe, f"model {self.model}", delivery)
+        self._discard_payload_files(fields for _, fields in entries)
         if self.tally is not None:
             self.tally.count("requests", n=len(entries))
             if unanswerable:
@@ -434,6 +437,16 @@ class Dispatcher:
         log.warning("model %s: backlog over %d; %d newest requests refused as overloaded",
                     self.model, self.settings.max_backlog, len(entries))
         return len(entries)
+
+    def _discard_payload_files(self, refused: Iterable[dict[bytes, bytes]]) -> None:
+        """Delete the payload files in shared memory of requests answered here (refused), once that committed.
+
+        Only where this dispatcher runs on the producer's host; elsewhere the
+        files are that host's supervisors' to sweep (``shm_ttl_s``).
+        """
+        names = [name for name in map(shared_payloads.owned_name, refused) if name]
+        if names:
+            self.payload_files.discard(names)
 
     # --- fan-out --------------------------------------------------------
     def dispatch(self, entries: list[Entry], deployment: Deployment) -> None:
@@ -444,6 +457,7 @@ class Dispatcher:
         rejected: list[protocol.RequestRejected] = []
         # Answered here (rejected) or already deleted: acknowledged and deleted by this transaction.
         done: list[bytes] = []
+        refused: list[dict[bytes, bytes]] = []
         for sid, fields in entries:
             if fields is None:  # deleted while pending: nothing to answer
                 done.append(sid)
@@ -458,6 +472,7 @@ class Dispatcher:
             except protocol.RequestRejected as exc:
                 rejected.append(exc)
                 done.append(sid)
+                refused.append(fields)
 
         counts = split(len(accepted), [(i.threads, i.batch) for i in instances], self.latency) if accepted else []
         self._batch_seq += 1
@@ -496,6 +511,8 @@ class Dispatcher:
             if unanswerable:
                 pipe.hincrby(stats_key, "unanswerable", unanswerable)
             replies.execute(pipe, f"model {self.model}", delivery)
+        if refused:
+            self._discard_payload_files(refused)
         if self.tally is not None:
             self.tally.count("requests", n=len(accepted) + len(rejected))
             if unanswerable:

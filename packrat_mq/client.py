@@ -11,6 +11,12 @@ dropped. On one Redis a second reply comes only after a Redis machine crash
 lost the transaction that acknowledged the first; on Redis Cluster, where
 replies are written at least once, also after a worker or a master failed
 between a reply and its acknowledgement (docs/decisions.md, "Redis Cluster").
+
+A client on the serving host can keep large payloads out of Redis
+(``shared_memory=True``): each payload of at least ``shm_min_bytes`` is
+written to a file in the host's payload directory and the request names it
+(``payload_shm``; :mod:`packrat_mq.shared_payloads`). The service deletes
+the file once the request is answered.
 """
 from __future__ import annotations
 
@@ -23,12 +29,18 @@ from typing import Any
 
 import redis
 
-from packrat_mq import protocol
+from packrat_mq import protocol, shared_payloads
 from packrat_mq.connection import connect, is_cluster
 from packrat_mq.keys import Keys
+from packrat_mq.settings import Settings
 
 #: How many answered ids a client remembers to drop a second reply to (a few MB at most).
 ANSWERED_IDS = 65536
+#: Payloads from this size on go to shared memory when the client is asked to use it. Below it the
+#: bytes cost Redis little (a stream hop is about 0.2 ms) and a file costs two system calls more.
+SHM_MIN_BYTES = 64 * 1024
+#: Payload files a client keeps for reuse once their requests are answered (more are deleted).
+SHM_POOL = 32
 
 
 class ReplyTimeout(TimeoutError):
@@ -84,7 +96,24 @@ class Reply:
 class Client:
     """Submits requests for models and waits for their replies."""
 
-    def __init__(self, r: redis.Redis | str, *, prefix: str = "packrat", client_id: str | None = None) -> None:
+    def __init__(
+        self,
+        r: redis.Redis | str,
+        *,
+        prefix: str = "packrat",
+        client_id: str | None = None,
+        shared_memory: bool = False,
+        shm_dir: str | None = None,
+        shm_min_bytes: int = SHM_MIN_BYTES,
+        shm_pool: int = SHM_POOL,
+    ) -> None:
+        """``shared_memory``: write payloads of ``shm_min_bytes`` or more to the host's payload directory
+        (``shm_dir``; default ``PACKRAT_SHM_DIR`` or ``/dev/shm/packrat``) instead of into Redis. Only for
+        a producer on the host that serves its requests: elsewhere each gets an error reply saying so.
+        The client keeps its files (``payload_shm_keep``): it writes a new payload into one whose
+        request has been answered, keeps up to ``shm_pool`` of them between requests, and deletes
+        them all at :meth:`close`.
+        """
         #: Made from a URL, the connection is the client's own, and close() closes it.
         self._owns_connection = isinstance(r, str)
         if isinstance(r, str):
@@ -100,6 +129,20 @@ class Client:
         self._answered: OrderedDict[str, None] = OrderedDict()
         #: Replies dropped because their id had one already.
         self.duplicates = 0
+        #: Where large payloads go instead of Redis, if anywhere.
+        self.payload_files: shared_payloads.SharedPayloads | None = None
+        if shared_memory:
+            if shm_dir is None:
+                shm_dir = Settings().shm_dir  # PACKRAT_SHM_DIR, the variable the service reads
+            self.payload_files = shared_payloads.SharedPayloads(shm_dir)
+        self.shm_min_bytes = shm_min_bytes
+        self.shm_pool = shm_pool
+        #: Payload files whose requests are answered, to be written again; and the file of each
+        #: request in flight. Named ``<random>-<n>``: this client's own.
+        self._free_files: list[str] = []
+        self._file_of: dict[str, str] = {}
+        self._file_tag = uuid.uuid4().hex[:16]
+        self._files_made = 0
 
     # --- sending ----------------------------------------------------------
     def _fields(
@@ -113,7 +156,32 @@ class Client:
             payload = protocol.encode_as(content_type, data)
         rid = request_id or uuid.uuid4().hex
         deadline = int((time.time() + timeout_s) * 1000) if timeout_s else None
+        if self.payload_files is not None and len(payload) >= self.shm_min_bytes:
+            if self._free_files:
+                name = self._free_files.pop()
+            else:
+                self._files_made += 1
+                name = f"{self._file_tag}-{self._files_made}"
+            self.payload_files.rewrite(name, payload)
+            self._file_of[rid] = name
+            return rid, protocol.request_fields(rid, self.reply_to, None, content_type, deadline,
+                                                payload_shm=name, keep=True)
         return rid, protocol.request_fields(rid, self.reply_to, payload, content_type, deadline)
+
+    def _release_file(self, rid: str) -> None:
+        """The request ``rid`` is answered (or was never applied): its payload file may be written again."""
+        name = self._file_of.pop(rid, None)
+        if name is None or self.payload_files is None:
+            return
+        if len(self._free_files) < self.shm_pool:
+            self._free_files.append(name)
+        else:
+            self.payload_files.discard([name])
+
+    def _refused(self, sent: Iterable[dict[str, Any]]) -> None:
+        """Free the payload files of requests Redis refused (never applied: nobody will read them)."""
+        for fields in sent:
+            self._release_file(fields["id"])
 
     def send(
         self,
@@ -127,7 +195,13 @@ class Client:
         """Queue one request; returns its id. ``deadline_s``: give up after this long."""
         rid, fields = self._fields(data, content_type, deadline_s, request_id)
         self._sent_at[rid] = time.time()
-        self.r.xadd(self.keys.requests(model), fields)
+        try:
+            self.r.xadd(self.keys.requests(model), fields)
+        except redis.ResponseError:
+            # Refused: no request. (After a connection error it may have been applied: the
+            # file stays for the service, or for the sweep.)
+            self._refused([fields])
+            raise
         return rid
 
     def send_many(
@@ -138,13 +212,23 @@ class Client:
         # connection failed: a second request. The XADDs go to one stream (one slot): one MULTI/EXEC.
         pipe = self.r.pipeline(transaction=is_cluster(self.r))
         ids = []
+        sent = []
         now = time.time()
         for data in items:
             rid, fields = self._fields(data, content_type, deadline_s, None)
             ids.append(rid)
+            sent.append(fields)
             self._sent_at[rid] = now
             pipe.xadd(self.keys.requests(model), fields)
-        pipe.execute()
+        try:
+            results = pipe.execute(raise_on_error=False)
+        except redis.ResponseError:
+            self._refused(sent)  # the transaction was discarded (EXECABORT): none of them was applied
+            raise
+        errors = [(fields, res) for fields, res in zip(sent, results) if isinstance(res, redis.ResponseError)]
+        if errors:
+            self._refused(fields for fields, _ in errors)
+            raise errors[0][1]
         return ids
 
     # --- receiving --------------------------------------------------------
@@ -179,6 +263,8 @@ class Client:
                 self.duplicates += 1  # the first reply to an id is its answer
                 continue
             self._buffer[rep.id] = rep
+            if self._file_of:
+                self._release_file(rep.id)  # the service is done with its payload file
         self._last_id = entries[-1][0]
         # Read replies are deleted: the stream holds only what is unread.
         self.r.xdel(self.reply_to, *(e for e, _ in entries))
@@ -216,7 +302,14 @@ class Client:
         return (max((rep.received_at for rep in replies), default=start) - start) * 1000.0, replies
 
     def close(self) -> None:
-        """Delete this client's reply stream; a client made from a URL also closes its connection."""
+        """Delete this client's reply stream and payload files; a client made from a URL also closes its connection.
+
+        A request still in flight then finds no payload file and is answered with an error.
+        """
+        if self.payload_files is not None:
+            self.payload_files.discard([*self._free_files, *self._file_of.values()])
+            self._free_files.clear()
+            self._file_of.clear()
         try:
             self.r.delete(self.reply_to)
         finally:

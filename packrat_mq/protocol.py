@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import io
 import json
+import mmap
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from packrat_mq import shared_payloads
 from packrat_mq.keys import Keys
 
 JSON = "application/json"
@@ -43,6 +45,9 @@ ERROR = "error"
 #: The field that stands for ``payload`` in an entry read without it: the payload's size in bytes.
 #: Internal to the dispatcher (see ``dispatcher.reading``); a producer's field of this name is ignored.
 PAYLOAD_BYTES = "payload:bytes"
+
+#: The field naming a payload file in shared memory (:mod:`packrat_mq.shared_payloads`), as it is read.
+SHM_FIELD = shared_payloads.FIELD.encode()
 
 #: Longest id / reply_to accepted, so a hostile producer cannot blow up replies.
 MAX_ID_LEN = 256
@@ -69,6 +74,8 @@ class PayloadError(ValueError):
 ERROR_KINDS: tuple[tuple[str, str], ...] = (
     ("missing id field", "bad_request"),
     ("missing payload field", "bad_request"),
+    ("payload and payload_shm are exclusive", "bad_request"),
+    ("payload_shm must be", "bad_request"),
     ("id is not UTF-8", "bad_request"),
     ("id longer than", "bad_request"),
     ("content_type is not UTF-8", "bad_request"),
@@ -80,6 +87,7 @@ ERROR_KINDS: tuple[tuple[str, str], ...] = (
     ("unknown model", "unknown_model"),
     ("payload is not valid", "bad_payload"),
     ("the request is no longer in the request stream", "gone"),
+    ("payload_shm ", "bad_payload"),
     ("inference failed for this batch", "inference"),
     ("worker instance died", "worker_died"),
     ("handler output could not be encoded", "bad_output"),
@@ -103,13 +111,20 @@ class Request:
     id: str
     reply_to: str
     #: None in a sub-batch until the worker fetches it from the request stream (and if it is gone).
-    payload: bytes | None
+    payload: bytes | mmap.mmap | None
     content_type: str
     enqueued_ms: int  # from the stream entry id: Redis' clock when XADD ran
     deadline_ms: int | None = None
     stream_id: str = ""
     #: The payload came with the sub-batch (an older dispatcher's format), not from the request stream.
     inline: bool = False
+    #: The payload file in shared memory that holds the payload, if the producer wrote one
+    #: (:mod:`packrat_mq.shared_payloads`); the worker deletes it once the request is answered.
+    payload_shm: str | None = None
+    #: The producer keeps that file (``payload_shm_keep 1``): the service must not delete it.
+    payload_shm_keep: bool = False
+    #: Why the worker could not fetch the payload (the request's error reply), if it could not.
+    fetch_error: str | None = None
 
 
 def _text(fields: dict[bytes, bytes], name: bytes) -> str | None:
@@ -200,6 +215,17 @@ def parse_request(
         raise RequestRejected(f"id longer than {MAX_ID_LEN} characters", request_id=request_id[:MAX_ID_LEN], reply_to=reply_to)
     payload = fields.get(b"payload")
     size = payload_size(fields)
+    shm = _text(fields, SHM_FIELD)
+    if shm is not None or SHM_FIELD in fields:
+        # The payload is a file on the serving host: its size is checked where it is read.
+        if size is not None:
+            raise RequestRejected(f"payload and {shared_payloads.FIELD} are exclusive: send one of them",
+                                  request_id=request_id, reply_to=reply_to)
+        if shm is None or not shared_payloads.valid_name(shm):
+            raise RequestRejected(
+                f"{shared_payloads.FIELD} must be a file name of 1-128 letters, digits, '.', '_' or '-' "
+                "(not starting with '.' or '-')", request_id=request_id, reply_to=reply_to)
+        size = 0
     if size is None:
         raise RequestRejected("missing payload field", request_id=request_id, reply_to=reply_to)
     if size > max_payload_bytes:
@@ -247,19 +273,25 @@ def parse_request(
         enqueued_ms=entry_ms(sid),
         deadline_ms=deadline_ms,
         stream_id=sid,
+        payload_shm=shm,
+        payload_shm_keep=shared_payloads.kept(fields),
     )
 
 
 def request_fields(
-    request_id: str, reply_to: str, payload: bytes, content_type: str, deadline_ms: int | None = None
+    request_id: str, reply_to: str, payload: bytes | None, content_type: str, deadline_ms: int | None = None,
+    *, payload_shm: str | None = None, keep: bool = False,
 ) -> dict[str, Any]:
-    """Fields of a request entry, for XADD."""
-    fields: dict[str, Any] = {
-        "id": request_id,
-        "reply_to": reply_to,
-        "payload": payload,
-        "content_type": content_type,
-    }
+    """Fields of a request entry, for XADD: the payload itself, or the name of its file in shared memory
+    (``keep``: the producer keeps the file)."""
+    fields: dict[str, Any] = {"id": request_id, "reply_to": reply_to}
+    if payload_shm is not None:
+        fields[shared_payloads.FIELD] = payload_shm
+        if keep:
+            fields[shared_payloads.KEEP_FIELD] = 1
+    else:
+        fields["payload"] = payload if payload is not None else b""
+    fields["content_type"] = content_type
     if deadline_ms is not None:
         fields["deadline_ms"] = int(deadline_ms)
     return fields
@@ -327,17 +359,24 @@ def _check_image(content_type: str, payload: bytes) -> bytes:
     return payload
 
 
-def _decode_npy(payload: bytes) -> Any:
+#: The most of a non-bytes ``.npy`` payload read as its header (a version 1 header is at most 65,535
+#: bytes after its 10-byte preamble; a longer version 2/3 header is refused as unreadable).
+NPY_HEADER_MAX = 65536 + 16
+
+
+def _decode_npy(payload: bytes | memoryview | Any) -> Any:
     """A ``.npy`` array whose header agrees with its length, read without pickle or copy.
 
     The header is checked before any allocation: a header that claims a
     shape of 2**40 elements with no data must be refused, not allocated.
-    The array is a read-only view of ``payload`` (``np.frombuffer``): a
+    The array is a read-only view of ``payload`` (``np.frombuffer``; bytes,
+    or a read-only memory map of a payload file in shared memory): a
     600 KB image is not copied again before the handler's own preprocessing,
     which copies it into its batch tensor anyway. Handlers must not write to
     their input arrays (``validate`` and ``preprocess`` build new ones).
     """
-    buf = io.BytesIO(payload)
+    # A memory map of a shared-memory payload file is read in place too: only its header is copied.
+    buf = io.BytesIO(payload if isinstance(payload, bytes) else bytes(memoryview(payload)[:NPY_HEADER_MAX]))
     version = np.lib.format.read_magic(buf)
     if version == (1, 0):
         shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(buf)

@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from packrat_mq import graph
+from packrat_mq import graph, shared_payloads
 from packrat_mq.keys import Keys
 
 #: URL schemes of Redis Cluster: ``redis.cluster.RedisCluster`` connects, and a model's keys carry its hash tag.
@@ -46,6 +46,16 @@ class Settings(BaseSettings):
                     "Only where the server lacks CLIENT UNBLOCK: elsewhere the wait is one blocking read.",
     )
     max_payload_bytes: int = Field(default=16 * 1024 * 1024, ge=1, description="Larger payloads get an error reply.")
+    shm_dir: str = Field(
+        default=shared_payloads.DEFAULT_DIR, min_length=1,
+        description="The host's directory of payloads in shared memory (a request's payload_shm names a file "
+                    "there); producers on the serving host write large payloads there instead of into Redis.",
+    )
+    shm_ttl_s: float = Field(
+        default=900.0, gt=0,
+        description="Payload files older than this are deleted by the supervisors' sweep (their request was "
+                    "answered without deleting them, or never reached a worker of this host).",
+    )
     reply_ttl_s: int = Field(
         default=3600, ge=1, description="Reply streams expire this long after their last reply."
     )
@@ -159,6 +169,11 @@ class Settings(BaseSettings):
     def cluster(self) -> bool:
         """Whether this deployment runs on Redis Cluster (its URL says so)."""
         return is_cluster_url(self.redis_url)
+
+    @property
+    def payload_files(self) -> shared_payloads.SharedPayloads:
+        """This host's payload files in shared memory."""
+        return shared_payloads.SharedPayloads(self.shm_dir)
 
     @property
     def keys(self) -> Keys:

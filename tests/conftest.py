@@ -83,6 +83,8 @@ def settings(redis_url: str, prefix: str, r: redis.Redis) -> Settings:
 def _isolated_discovery(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Keep tests away from a developer's running embedded server and settings."""
     monkeypatch.setenv("PACKRAT_RUNTIME_DIR", str(tmp_path / "runtime"))
+    # Payload files in shared memory (PACKRAT_SHM_DIR) go to the test's own directory, not the host's.
+    monkeypatch.setenv("PACKRAT_SHM_DIR", str(tmp_path / "shm"))
     # A developer's own deployment must not leak into Settings() defaults or CLI options.
     monkeypatch.delenv("PACKRAT_REDIS_URL", raising=False)
     monkeypatch.delenv("PACKRAT_PREFIX", raising=False)

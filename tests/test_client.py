@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -196,3 +197,52 @@ def test_expired_deadline_answered_by_dispatcher(r: redis.Redis, settings: Setti
     time.sleep(0.01)
     [reply] = c.gather([rid], timeout=10)
     assert not reply.ok and "deadline exceeded" in reply.error
+
+
+# --- payloads in shared memory ------------------------------------------------------
+def test_large_payloads_go_to_shared_memory_and_small_ones_to_redis(r: redis.Redis, prefix: str) -> None:
+    c = Client(r, prefix=prefix, shared_memory=True, shm_min_bytes=1000)
+    big = np.arange(1000, dtype=np.float32)
+    rid = c.send("m", big)
+    c.send("m", {"small": 1})
+    [(sid, f), (_, small)] = r.xrange(f"{prefix}:requests:m")
+    assert b"payload" not in f and f[b"payload_shm_keep"] == b"1" and f[b"content_type"] == protocol.NPY.encode()
+    req = protocol.parse_request(sid, f, max_payload_bytes=100)
+    assert req.payload_shm and req.payload_shm_keep
+    assert c.payload_files is not None
+    stored = c.payload_files.read(req.payload_shm, 1 << 20)
+    np.testing.assert_array_equal(protocol.decode_payload(protocol.NPY, stored), big)
+    assert small[b"payload"] == b'{"small":1}' and b"payload_shm" not in small
+    assert c._file_of == {rid: req.payload_shm}
+    c.close()  # its files go with it, in flight or not
+    assert os.listdir(c.payload_files.directory) == []
+
+
+def test_shared_memory_round_trip_reuses_the_clients_files(r: redis.Redis, settings: Settings,
+                                                           service: Dispatcher) -> None:
+    c = Client(r, prefix=settings.prefix, shared_memory=True, shm_min_bytes=1000)
+    assert c.payload_files is not None and c.payload_files.directory == settings.shm_dir  # PACKRAT_SHM_DIR
+    items = [np.full(2000, i, dtype=np.float32) for i in range(3)]
+    for _ in range(2):
+        got = c.submit_many(MODEL, items, timeout=10)
+        for rep, arr in zip(got, items):
+            assert rep.ok, rep.error
+            np.testing.assert_array_equal(rep.value(), arr)
+        # Answered: the three files wait to be written again, none deleted, none made anew.
+        assert sorted(os.listdir(settings.shm_dir)) == sorted(c._free_files) and len(c._free_files) == 3
+        assert c._file_of == {}
+    c.close()
+    assert os.listdir(settings.shm_dir) == []
+
+
+def test_refused_sends_free_their_payload_files(r: redis.Redis, prefix: str) -> None:
+    c = Client(r, prefix=prefix, shared_memory=True, shm_min_bytes=10, shm_pool=1)
+    r.set(f"{prefix}:requests:m", "not a stream")
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        c.send("m", b"x" * 100, content_type=protocol.BYTES)
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        c.send_many("m", [b"y" * 100, b"z" * 100], content_type=protocol.BYTES)
+    assert c._file_of == {}
+    assert c.payload_files is not None
+    assert len(c._free_files) == 1 and os.listdir(c.payload_files.directory) == c._free_files  # pool of one
+    c.close()

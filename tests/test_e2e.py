@@ -192,3 +192,39 @@ def test_killed_supervisor_leaves_no_orphans(stack: Stack) -> None:
     stack.proc.wait()
     wait_for(lambda: not any(alive(p) for p in pids), 15, "instances and dispatcher to notice and stop")
     assert all(h.get(b"state") == b"stopped" for h in stack.instances().values())
+
+
+@pytest.mark.parametrize("stack", [("echo", "1x4")], indirect=True)
+def test_payloads_in_shared_memory_are_served_and_their_files_deleted(stack: Stack) -> None:
+    """A producer on the serving host names files in PACKRAT_SHM_DIR instead of sending the bytes."""
+    shm = os.environ["PACKRAT_SHM_DIR"]  # the test's own directory (conftest), which `up` inherits
+    os.makedirs(shm, exist_ok=True)
+    reply_to = stack.reply_stream()
+    arrays = {}
+    for i in range(3):
+        arrays[f"img-{i}"] = np.full((3, 8, 8), i, dtype=np.float32)
+        with open(os.path.join(shm, f"img-{i}"), "wb") as f:
+            f.write(_npy(arrays[f"img-{i}"]))
+
+    def send_file(name: str) -> str:
+        rid = uuid.uuid4().hex
+        stack.r.xadd(stack.key("requests", "echo"), {"id": rid, "reply_to": reply_to, "payload_shm": name,
+                                                     "content_type": "application/x-npy"})
+        return rid
+
+    ids = {send_file(name): name for name in arrays}
+    with open(os.path.join(shm, "both"), "wb") as f:
+        f.write(b"refused")
+    for rid in ids:  # the file named, not the (empty) payload, is the input
+        stack.r.xadd(stack.key("requests", "echo"), {"id": f"dup-{rid}"[:40], "reply_to": reply_to,
+                                                     "payload": b"1", "payload_shm": "both"})
+    missing = send_file("never-written")
+    replies = stack.replies(reply_to, len(ids) + 3 + 1)
+    by_id = {f[b"id"].decode(): f for _, f in replies}
+    for rid, name in ids.items():
+        assert by_id[rid][b"status"] == b"ok", by_id[rid][b"error"]
+        np.testing.assert_array_equal(np.load(io.BytesIO(by_id[rid][b"payload"]), allow_pickle=False), arrays[name])
+    assert b"is not in" in by_id[missing][b"error"]
+    refused = [f for i, f in by_id.items() if i.startswith("dup-")]
+    assert len(refused) == 3 and all(b"exclusive" in f[b"error"] for f in refused)
+    assert os.listdir(shm) == [], "answered requests' files deleted by the worker; a refused one's by the dispatcher"

@@ -56,6 +56,8 @@ log = logging.getLogger("packrat_mq.supervisor")
 
 #: How often a supervisor holds what its instances serve against the profile (seconds).
 PROFILE_CHECK_S = 10.0
+#: How often a supervisor sweeps its host's payload files in shared memory for ones past ``shm_ttl_s``.
+SHM_SWEEP_S = 60.0
 
 #: Seconds after a reconfiguration ends during which the machine is not taken as it serves: no spare is
 #: pre-started and no profile check is made. The change's over-subscribed seconds leave slow batches in
@@ -252,6 +254,7 @@ class Supervisor:
         #: The last comparison of what its instances serve with the profile (see :meth:`check_profile`).
         self.profile_check: drift.ProfileCheck | None = None
         self._profile_checked_at = 0.0
+        self._shm_swept_at = 0.0
         self._profile_warned = False
         self._loaded_profile: tuple[Path, Profile] | None = None
 
@@ -850,8 +853,27 @@ class Supervisor:
         self._prewarm()
         if time.monotonic() - self._profile_checked_at >= PROFILE_CHECK_S and self.settled():
             self.check_profile()
+        if time.monotonic() - self._shm_swept_at >= SHM_SWEEP_S:
+            self.sweep_payload_files()
         self._beat()
         return restarted
+
+    def sweep_payload_files(self) -> int:
+        """Delete this host's payload files in shared memory older than ``shm_ttl_s``; returns how many.
+
+        A file is normally deleted by the worker that answers its request.
+        What is left (a request refused by a dispatcher on another host, a
+        worker killed between its commit and the unlink, a producer whose
+        XADD was lost with its connection) would otherwise hold memory
+        until the host restarts. Every supervisor of the host sweeps; they
+        race harmlessly.
+        """
+        self._shm_swept_at = time.monotonic()
+        deleted = self.settings.payload_files.sweep(self.settings.shm_ttl_s)
+        if deleted:
+            log.warning("deleted %d payload files older than %.0f s from %s (their requests were answered "
+                        "elsewhere or never served here)", deleted, self.settings.shm_ttl_s, self.settings.shm_dir)
+        return deleted
 
     def _profile_in_use(self) -> tuple[Path, Profile] | None:
         """The profile its plans come from (the one given, else the model's for the mode served), loaded once."""

@@ -38,7 +38,7 @@ import redis
 from pydantic import Field
 
 from packrat_mq import graph as graph_modes
-from packrat_mq import logs, protocol, replies
+from packrat_mq import logs, protocol, replies, shared_payloads
 from packrat_mq.backoff import Backoff
 from packrat_mq.connection import check_cluster, connect
 from packrat_mq.graph import GraphModeError
@@ -95,6 +95,7 @@ class Worker:
         self.requests_stream = self.keys.requests(spec.model)
         self.instance_key = self.keys.instance(spec.model, spec.instance_id)
         self.fence = self.keys.fence(spec.model, spec.instance_id)
+        self.payload_files = self.settings.payload_files
         self._stopping = threading.Event()
         self._recovering = True
         self._last_beat = 0.0
@@ -328,7 +329,9 @@ class Worker:
         id`` each). Any request it did not return (another instance's or a
         deleted entry between them cut the run short) is read by id. A
         request whose entry is gone (deleted or trimmed by someone else)
-        keeps ``payload=None`` and is answered with an error.
+        keeps ``payload=None`` and is answered with an error. A request whose
+        entry names a payload file in shared memory (``payload_shm``) gets the
+        file's bytes, or, if they cannot be read, the reason as its error.
         """
         wanted = [req for req in requests if not req.inline]
         if not wanted:
@@ -341,13 +344,27 @@ class Worker:
             if fields is None:
                 missing.append(req)
             else:
-                req.payload = fields.get(b"payload")
+                self._take_payload(req, fields)
         if missing:
             pipe = self.r.pipeline(transaction=False)
             for req in missing:
                 pipe.xrange(self.requests_stream, req.stream_id, req.stream_id)
             for req, entries in zip(missing, pipe.execute()):
-                req.payload = protocol.payload_of(entries)
+                if entries:
+                    self._take_payload(req, entries[0][1])
+
+    def _take_payload(self, req: protocol.Request, fields: dict[bytes, bytes]) -> None:
+        name = shared_payloads.name_of(fields)
+        if name is None:
+            req.payload = fields.get(b"payload")
+            return
+        req.payload_shm = name
+        req.payload_shm_keep = shared_payloads.kept(fields)
+        try:
+            req.payload = self.payload_files.read(name, self.settings.max_payload_bytes,
+                                                  mapped=req.content_type == protocol.NPY)
+        except shared_payloads.SharedPayloadError as exc:
+            req.fetch_error = str(exc)
 
     def _serve(self, requests: list[protocol.Request], started_ms: float) -> tuple[list[Outcome], float]:
         outcomes: list[Outcome | None] = [None] * len(requests)
@@ -356,6 +373,9 @@ class Worker:
         for k, req in enumerate(requests):
             if req.deadline_ms is not None and req.deadline_ms <= started_ms:
                 outcomes[k] = Outcome(error=f"deadline exceeded before inference ({started_ms - req.deadline_ms:.0f} ms late)")
+                continue
+            if req.fetch_error is not None:
+                outcomes[k] = Outcome(error=req.fetch_error)
                 continue
             if req.payload is None:
                 outcomes[k] = Outcome(error="the request is no longer in the request stream "
@@ -439,6 +459,11 @@ class Worker:
             except redis.WatchError:
                 self._fenced(entry_id)  # the fence is the only key watched
                 return
+        # Answered and deleted for good: their payload files are done with (never before the commit,
+        # so that a worker that dies first leaves them for the instance that serves them again).
+        shm_files = [req.payload_shm for req in requests if req.payload_shm and not req.payload_shm_keep]
+        if shm_files:
+            self.payload_files.discard(shm_files)
         for reply_to, group in delivery.undelivered():
             ids = ", ".join(str(f["id"]) for f in group)
             log.warning("instance %s: reply_to %r is not a stream; replies to %s were not written",

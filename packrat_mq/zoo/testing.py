@@ -31,7 +31,11 @@ class SleepHandler(BaseHandler):
 
     Any other payload (an ``.npy`` array, text, bytes) is accepted and only
     sleeps: a stand-in for a real model's input when measuring the serving
-    path (``benchmarks/bench_payload.py`` sends it 600 KB images).
+    path (``benchmarks/bench_payload.py`` sends it 600 KB images). With the
+    option ``copy_inputs`` (true) it first copies each array into one batch,
+    as a vision model's ``preprocess`` does, so that what reading the bytes
+    left to their first use (a memory map's page faults) is paid as it
+    would be.
     """
 
     traceable = False
@@ -39,6 +43,7 @@ class SleepHandler(BaseHandler):
     def load_model(self, context: Context) -> Any:
         self.base_ms = float(context.options.get("base_ms", 10.0))
         self.per_item_ms = float(context.options.get("per_item_ms", 0.0))
+        self.copy_inputs = str(context.options.get("copy_inputs", "")).lower() in ("1", "true", "yes")
         return None
 
     def example_batch(self, n: int) -> list[Input]:
@@ -51,6 +56,16 @@ class SleepHandler(BaseHandler):
         ms = data.get("sleep_ms", 0)
         if not isinstance(ms, (int, float)) or isinstance(ms, bool) or not 0 <= ms <= 60_000:
             raise BadRequest("sleep_ms must be a number of milliseconds between 0 and 60000")
+
+    def preprocess(self, items: list[Input]) -> Any:
+        batch = [item.data for item in items]
+        if self.copy_inputs:
+            import numpy as np
+
+            arrays = [d for d in batch if isinstance(d, np.ndarray)]
+            if arrays and len({a.shape for a in arrays}) == 1:
+                np.stack(arrays)  # the copy a vision model's batch tensor makes, then dropped
+        return batch
 
     def inference(self, batch: Any) -> Any:
         asked = [d.get("sleep_ms", 0) for d in batch if isinstance(d, dict)]

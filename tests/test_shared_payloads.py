@@ -1,0 +1,177 @@
+"""Payloads in shared memory: the files, the request field, and a worker that reads and deletes them."""
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from packrat_mq import protocol, shared_payloads
+from packrat_mq.settings import Settings
+from packrat_mq.shared_payloads import SharedPayloadError, SharedPayloads
+from tests.test_worker import make_worker, push, replies, request, step, text
+
+
+def _npy(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return buf.getvalue()
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> SharedPayloads:
+    return SharedPayloads(tmp_path / "shm")
+
+
+# --- the files -------------------------------------------------------------------
+def test_written_payload_reads_back_as_bytes_and_as_a_map(files: SharedPayloads) -> None:
+    data = os.urandom(200_000)
+    name = files.write(data)
+    assert shared_payloads.valid_name(name)
+    assert files.read(name, 1 << 20) == data
+    mapped = files.read(name, 1 << 20, mapped=True)
+    assert isinstance(mapped, mmap.mmap) and mapped[:] == data
+    # The map outlives the file: a worker deletes it while the handler may still hold arrays of it.
+    files.discard([name])
+    assert mapped[:10] == data[:10]
+    assert not os.listdir(files.directory)
+
+
+def test_rewrite_reuses_a_file_shrinks_it_and_makes_it_again_after_a_sweep(files: SharedPayloads) -> None:
+    files.rewrite("abc-1", b"x" * 1000)
+    files.rewrite("abc-1", b"short")
+    assert files.read("abc-1", 100) == b"short"
+    files.discard(["abc-1"])
+    files.rewrite("abc-1", b"again")
+    assert files.read("abc-1", 100) == b"again"
+
+
+@pytest.mark.parametrize("name", ["../etc/passwd", "a/b", ".hidden", "-flag", "", "x" * 129, "a b", "é"])
+def test_names_that_are_not_one_plain_file_name_are_refused(files: SharedPayloads, name: str) -> None:
+    assert not shared_payloads.valid_name(name)
+    with pytest.raises(SharedPayloadError, match="payload_shm must be a file name"):
+        files.read(name, 100)
+
+
+def test_reading_refuses_links_directories_missing_and_oversized_files(files: SharedPayloads, tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"not yours")
+    os.makedirs(files.directory)
+    os.symlink(secret, os.path.join(files.directory, "link"))
+    with pytest.raises(SharedPayloadError, match="cannot be opened"):
+        files.read("link", 100)
+    os.mkdir(os.path.join(files.directory, "dir"))
+    with pytest.raises(SharedPayloadError, match="not a regular file|cannot be opened"):
+        files.read("dir", 100)
+    with pytest.raises(SharedPayloadError, match="is not in .* on host .*: a payload in shared memory must"):
+        files.read("missing", 100)
+    name = files.write(b"y" * 101)
+    with pytest.raises(SharedPayloadError, match="payload of 101 bytes is over the limit of 100 bytes"):
+        files.read(name, 100)
+
+
+def test_sweep_deletes_old_payload_files_only(files: SharedPayloads) -> None:
+    old, fresh = files.write(b"old"), files.write(b"fresh")
+    foreign = os.path.join(files.directory, ".not-ours")
+    Path(foreign).write_bytes(b"x")
+    past = time.time() - 1000
+    os.utime(os.path.join(files.directory, old), (past, past))
+    os.utime(foreign, (past, past))
+    assert files.sweep(older_than_s=600) == 1
+    assert sorted(os.listdir(files.directory)) == sorted([fresh, ".not-ours"])
+    assert SharedPayloads("/nonexistent/dir").sweep(1) == 0
+
+
+# --- the request field -----------------------------------------------------------
+def _fields(**extra: bytes) -> dict[bytes, bytes]:
+    return {b"id": b"r1", b"reply_to": b"elsewhere", b"content_type": b"application/x-npy",
+            **{k.encode(): v for k, v in extra.items()}}
+
+
+def test_a_request_may_name_its_payload_file_instead_of_carrying_it() -> None:
+    req = protocol.parse_request(b"1-0", _fields(payload_shm=b"abc-1"), max_payload_bytes=10)
+    assert req.payload is None and req.payload_shm == "abc-1" and not req.payload_shm_keep
+    kept = protocol.parse_request(b"1-0", _fields(payload_shm=b"abc-1", payload_shm_keep=b"1"), max_payload_bytes=10)
+    assert kept.payload_shm_keep
+    assert protocol.request_fields("r", "t", None, protocol.NPY, payload_shm="n", keep=True) == {
+        "id": "r", "reply_to": "t", "payload_shm": "n", "payload_shm_keep": 1, "content_type": protocol.NPY}
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"payload": b"1", "payload_shm": b"abc"}, "payload and payload_shm are exclusive"),
+    ({"payload_shm": b"../../etc/passwd"}, "payload_shm must be a file name"),
+    ({"payload_shm": b"\xff\xfe"}, "payload_shm must be a file name"),
+])
+def test_bad_payload_file_fields_are_refused_with_an_answer(extra: dict[str, bytes], message: str) -> None:
+    with pytest.raises(protocol.RequestRejected, match=message) as info:
+        protocol.parse_request(b"1-0", _fields(**extra), max_payload_bytes=10)
+    assert info.value.reply_to == "elsewhere"
+    assert protocol.error_kind(str(info.value)) == "bad_request"
+
+
+def test_npy_decodes_in_place_from_a_memory_map(files: SharedPayloads) -> None:
+    arr = np.arange(60_000, dtype=np.float32).reshape(3, 20_000)
+    mapped = files.read(files.write(_npy(arr)), 1 << 20, mapped=True)
+    out = protocol.decode_payload(protocol.NPY, mapped)  # type: ignore[arg-type]
+    np.testing.assert_array_equal(out, arr)
+    assert not out.flags.writeable
+
+
+# --- a worker that reads and deletes them ----------------------------------------
+def _shm_request(i: int, reply_to: str, name: str, *, keep: bool = False) -> protocol.Request:
+    req = request(i, reply_to=reply_to, payload=b"", content_type=protocol.NPY)
+    req.payload, req.payload_shm, req.payload_shm_keep = None, name, keep
+    return req
+
+
+def test_worker_serves_payload_files_and_deletes_only_the_service_owned_ones(
+    r: redis.Redis, settings: Settings
+) -> None:
+    w = make_worker(r, settings)
+    files = settings.payload_files
+    reply_to = settings.keys.replies("c1")
+    arrays = [np.full((2, 3), i, dtype=np.float32) for i in range(3)]
+    owned, kept = files.write(_npy(arrays[0])), files.write(_npy(arrays[1]))
+    reqs = [_shm_request(0, reply_to, owned), _shm_request(1, reply_to, kept, keep=True),
+            request(2, reply_to=reply_to, payload=_npy(arrays[2]), content_type=protocol.NPY)]
+    push(r, w, reqs)
+    assert step(w) == 1
+    got = {text(f, "id"): f for f in replies(r, reply_to)}
+    for i, arr in enumerate(arrays):
+        f = got[f"req-{i}"]
+        assert text(f, "status") == protocol.OK, f
+        np.testing.assert_array_equal(protocol.decode_payload(text(f, "content_type"), f[b"payload"]), arr)
+    assert os.listdir(files.directory) == [kept], "the answered request's file is deleted, the kept one stays"
+
+
+def test_a_missing_payload_file_fails_its_request_alone(r: redis.Redis, settings: Settings) -> None:
+    w = make_worker(r, settings)
+    reply_to = settings.keys.replies("c1")
+    push(r, w, [_shm_request(0, reply_to, "never-written"), request(1, reply_to=reply_to)])
+    assert step(w) == 1
+    got = {text(f, "id"): f for f in replies(r, reply_to)}
+    assert text(got["req-0"], "status") == protocol.ERROR
+    assert "payload_shm 'never-written' is not in" in text(got["req-0"], "error")
+    assert protocol.error_kind(text(got["req-0"], "error")) == "bad_payload"
+    assert text(got["req-1"], "status") == protocol.OK
+
+
+def test_a_worker_that_dies_before_its_commit_leaves_the_file_for_the_next(r: redis.Redis, settings: Settings) -> None:
+    first = make_worker(r, settings)
+    reply_to = settings.keys.replies("c1")
+    name = settings.payload_files.write(_npy(np.ones(4, dtype=np.float32)))
+    push(r, first, [_shm_request(0, reply_to, name)])
+    [(entry_id, fields)] = first.read(block_ms=50)
+    requests = protocol.decode_subbatch(fields)
+    first.fetch_payloads(requests)  # read, then "died": no transaction, no delete
+    assert os.listdir(settings.payload_files.directory) == [name]
+    fresh = make_worker(r, settings)
+    assert step(fresh) == 1
+    [f] = replies(r, reply_to)
+    assert text(f, "status") == protocol.OK
+    assert os.listdir(settings.payload_files.directory) == []
