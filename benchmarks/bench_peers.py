@@ -71,6 +71,8 @@ class Setup:
     args: tuple[str, ...] = ()
     peer: str | None = None
     note: str = ""
+    #: Clients put the images in shared memory (payload_shm) instead of Redis: producers on the serving host.
+    shm: bool = False
 
     def label(self, markdown: bool = False) -> str:
         wait = f"{self.wait_ms:g} ms wait" if self.wait_ms else "no wait"
@@ -93,8 +95,13 @@ def make_setups(threads: int, batch: int, wait_ms: float) -> list[Setup]:
               "optimizer's choice"),
         # No --batch: the estimator chooses B from the load, from B=1 (the default of `up`).
         Setup("packrat-adaptive", "packrat", t, b, wait_ms, ("--threads", str(t)), "torchserve", "adaptive B"),
+        # The same choice with the clients' images in shared memory, not in Redis (the same host).
+        Setup("packrat-auto-shm", "packrat", t, b, wait_ms, ("--threads", str(t), "--batch", str(b)), "torchserve",
+              "optimizer's choice, images in shared memory", shm=True),
         Setup("torchserve-b1", "torchserve", t, 1, 0.0),
         Setup("packrat-b1", "packrat", t, 1, 0.0, ("--instances", f"{t}x1"), "torchserve-b1"),
+        Setup("packrat-b1-shm", "packrat", t, 1, 0.0, ("--instances", f"{t}x1"), "torchserve-b1",
+              "images in shared memory", shm=True),
     ] + ([
         # Issue 8's question for small machines: does a core kept from the instances, for Redis, the
         # dispatcher and the clients (unpinned, so the scheduler puts them there), pay?
@@ -143,7 +150,7 @@ def run_setup(setup: Setup, round_no: int, args: argparse.Namespace, workdir: Pa
         server = TorchServe(args.peers_venv, stores[(setup.batch, setup.wait_ms)], rundir, model=MODEL,
                             threads=setup.threads)
     else:
-        server = PackratUp(rundir, model=MODEL, args=list(setup.args), batch_timeout_ms=setup.wait_ms)
+        server = PackratUp(rundir, model=MODEL, args=list(setup.args), batch_timeout_ms=setup.wait_ms, shm=setup.shm)
     row: dict[str, Any] = {"round": round_no, "setup": setup.key, "label": setup.label()}
     started = time.monotonic()
     with server as target:

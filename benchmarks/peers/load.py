@@ -43,6 +43,9 @@ class Target:
     url: str
     model: str
     prefix: str = "packrat"
+    #: packrat only: this shared-memory payload directory (the server's ``PACKRAT_SHM_DIR``) carries the
+    #: images instead of Redis (``Client(shared_memory=True)``, a producer on the serving host).
+    shm_dir: str | None = None
 
 
 Sender = Callable[[bytes], "str | None"]
@@ -75,7 +78,8 @@ def _torchserve_sender(target: Target) -> tuple[Sender, Callable[[], None]]:
 
 
 def _packrat_sender(target: Target) -> tuple[Sender, Callable[[], None]]:
-    client = Client(target.url, prefix=target.prefix)
+    client = Client(target.url, prefix=target.prefix, shared_memory=target.shm_dir is not None,
+                    shm_dir=target.shm_dir)
 
     def send(payload: bytes) -> str | None:
         try:

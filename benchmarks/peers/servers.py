@@ -20,7 +20,9 @@ import re
 import signal
 import socket
 import subprocess
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -183,8 +185,11 @@ class PackratUp:
     STARTING = re.compile(r"^starting \S+: (?P<config>\S+) \(B=", re.MULTILINE)
 
     def __init__(self, workdir: Path, *, model: str, args: list[str], batch_timeout_ms: float,
-                 start_timeout_s: float = 300.0, extra_env: Mapping[str, str] | None = None) -> None:
+                 start_timeout_s: float = 300.0, extra_env: Mapping[str, str] | None = None,
+                 shm: bool = False) -> None:
         self.workdir, self.model, self.args = workdir, model, args
+        #: Payloads in shared memory: a directory of its own on the host's tmpfs, for the server and the clients.
+        self.shm_dir = tempfile.mkdtemp(prefix="packrat-peers-", dir="/dev/shm") if shm else None
         self.batch_timeout_ms = batch_timeout_ms
         self.start_timeout_s = start_timeout_s
         self.extra_env = dict(extra_env or {})
@@ -208,6 +213,8 @@ class PackratUp:
             self.redis = EmbeddedRedis(self.workdir / "redis", announce=False).start()
             env = {k: v for k, v in os.environ.items() if k not in _PACKRAT_OVERRIDES}
             env.update(self.extra_env)
+            if self.shm_dir:
+                env["PACKRAT_SHM_DIR"] = self.shm_dir
             self._log = open(self.log_path, "wb")
             self.proc = subprocess.Popen(self.command(self.redis.url), cwd=self.workdir, env=env, stdout=self._log,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -222,7 +229,7 @@ class PackratUp:
             found = self.STARTING.search(self.log_path.read_text(errors="replace"))
             self.configuration = found.group("config") if found else None
             self.family = _family(self.proc.pid)
-            target = Target("packrat", self.redis.url, self.model, prefix="peers")
+            target = Target("packrat", self.redis.url, self.model, prefix="peers", shm_dir=self.shm_dir)
             probe(target, npy_image(), timeout_s=max(1.0, deadline - time.monotonic()))
             return target
         except BaseException:
@@ -257,3 +264,5 @@ class PackratUp:
             if self.redis is not None:
                 self.redis.stop()
                 self.redis = None
+            if self.shm_dir:
+                shutil.rmtree(self.shm_dir, ignore_errors=True)
