@@ -13,8 +13,11 @@ Setups, with T the CPUs this process may run on (``os.sched_getaffinity``):
 - ``packrat-auto``: ``packrat-mq up --graph torchscript --threads T --batch B`` (the optimizer's choice), W;
 - ``packrat-adaptive``: ``packrat-mq up --graph torchscript --threads T`` (no ``--batch``: the estimator
   chooses B from the load, starting at 1), W;
+- ``packrat-auto-shm``: ``packrat-auto`` with the clients' images in shared memory
+  (``Client(shared_memory=True)``: producers on the serving host; a ``/dev/shm`` directory per run);
 - ``torchserve-b1``: TorchServe, 1 worker x T threads, B=1;
 - ``packrat-b1``: ``packrat-mq up --graph torchscript --instances Tx1``, no batch wait;
+- ``packrat-b1-shm``: ``packrat-b1`` with the images in shared memory;
 - ``packrat-reserved`` (T ≥ 2): ``packrat-mq up --graph torchscript --threads T-1 --batch B``: the
   optimizer's choice on one core fewer, that core left to Redis, the dispatcher and the clients.
 
