@@ -49,15 +49,16 @@ from workers.supervisor import Supervisor  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def image_npy(seed: int = 0) -> bytes:
-    """One ImageNet-sized float32 image as ``.npy`` bytes (602,240 bytes)."""
-    arr = np.random.default_rng(seed).standard_normal((1, 3, 224, 224), dtype=np.float32)
+def image_npy(seed: int = 0, size: int = 224) -> bytes:
+    """One ImageNet-sized float32 image as ``.npy`` bytes (602,240 bytes; ``size`` 8: 896 bytes)."""
+    arr = np.random.default_rng(seed).standard_normal((1, 3, size, size), dtype=np.float32)
     buf = io.BytesIO()
     np.save(buf, arr, allow_pickle=False)
     return buf.getvalue()
 
 
-MODES = ("redis", "shm")
+#: ``small``: an 896-byte ``.npy`` through Redis, the same path's floor without the large payload.
+MODES = ("redis", "shm", "small")
 
 
 def run(url: str, batch: int, rounds: int, sleep_ms: float, warmup: int = 20, mode: str = "redis",
@@ -65,7 +66,7 @@ def run(url: str, batch: int, rounds: int, sleep_ms: float, warmup: int = 20, mo
     r = connect(url)
     r.flushdb()
     settings = Settings(redis_url=url, batch_timeout_ms=50.0, **({"shm_dir": shm_dir} if shm_dir else {}))
-    payload = image_npy()
+    payload = image_npy(size=8 if mode == "small" else 224)
     threads = 1
     config = Configuration.parse(f"{threads}x{batch}")
     overhead: list[float] = []
@@ -103,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sleep-ms", type=float, default=20.0, help="the stand-in model's time per batch")
     ap.add_argument("--url", default=None, help="a Redis URL (default: an embedded redis-server)")
     ap.add_argument("--modes", default="redis", help="comma-separated: redis (payload in the entry), "
-                    "shm (payload in a shared-memory file the entry names); several are interleaved")
+                    "shm (payload in a shared-memory file the entry names), small (an 896-byte .npy "
+                    "through Redis: the path's floor); several are interleaved")
     ap.add_argument("--shm-dir", default=None, help="payload directory for shm (default: PACKRAT_SHM_DIR or "
                     "/dev/shm/packrat)")
     ap.add_argument("--json-out", default=str(RESULTS / "payload.json"))
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not modes:
         ap.error(f"--modes: unknown {sorted(unknown)}; choose from {', '.join(MODES)}")
     runs: dict[str, dict[str, list[float]]] = {m: {} for m in modes}
-    payload_bytes = 0
+    payload_bytes: dict[str, int] = {}
 
     def measure(url: str) -> None:
         nonlocal payload_bytes
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             order = modes if k % 2 == 0 else modes[::-1]
             for mode in order:
                 res = run(url, args.batch, args.rounds, args.sleep_ms, mode=mode, shm_dir=args.shm_dir)
-                payload_bytes = res.pop("payload_bytes")
+                payload_bytes[mode] = res.pop("payload_bytes")
                 for name, value in res.items():
                     runs[mode].setdefault(name, []).append(value)
                 print(f"run {k + 1}/{args.runs} {mode}: " + ", ".join(f"{n} {v:.2f}" for n, v in res.items()),
@@ -135,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     figures = {mode: {name: {"median": float(np.median(v)), "min": float(np.min(v)), "max": float(np.max(v))}
                       for name, v in per.items()} for mode, per in runs.items()}
     result: dict[str, Any] = {
-        "benchmark": f"large-payload overhead (sleep model, B={args.batch}, {payload_bytes} B .npy per request)",
+        "benchmark": f"large-payload overhead (sleep model, B={args.batch}, .npy per request)",
+        "payload_bytes": payload_bytes,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
         "batch": args.batch, "rounds": args.rounds, "runs": args.runs, "sleep_ms": args.sleep_ms, "modes": modes,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import io
 import json
-import mmap
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -111,7 +110,7 @@ class Request:
     id: str
     reply_to: str
     #: None in a sub-batch until the worker fetches it from the request stream (and if it is gone).
-    payload: bytes | mmap.mmap | None
+    payload: bytes | memoryview | None
     content_type: str
     enqueued_ms: int  # from the stream entry id: Redis' clock when XADD ran
     deadline_ms: int | None = None
@@ -359,7 +358,7 @@ def _check_image(content_type: str, payload: bytes) -> bytes:
     return payload
 
 
-#: The most of a non-bytes ``.npy`` payload read as its header (a version 1 header is at most 65,535
+#: The most of a non-bytes ``.npy`` payload copied to read its header (a version 1 header is at most 65,535
 #: bytes after its 10-byte preamble; a longer version 2/3 header is refused as unreadable).
 NPY_HEADER_MAX = 65536 + 16
 
@@ -370,12 +369,13 @@ def _decode_npy(payload: bytes | memoryview | Any) -> Any:
     The header is checked before any allocation: a header that claims a
     shape of 2**40 elements with no data must be refused, not allocated.
     The array is a read-only view of ``payload`` (``np.frombuffer``; bytes,
-    or a read-only memory map of a payload file in shared memory): a
+    or a read-only view of the buffer a payload file in shared memory was read into): a
     600 KB image is not copied again before the handler's own preprocessing,
     which copies it into its batch tensor anyway. Handlers must not write to
     their input arrays (``validate`` and ``preprocess`` build new ones).
     """
-    # A memory map of a shared-memory payload file is read in place too: only its header is copied.
+    # A view of a worker's buffer (a payload file in shared memory) is read in place too: only the
+    # header is copied.
     buf = io.BytesIO(payload if isinstance(payload, bytes) else bytes(memoryview(payload)[:NPY_HEADER_MAX]))
     version = np.lib.format.read_magic(buf)
     if version == (1, 0):

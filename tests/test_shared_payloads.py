@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import io
-import mmap
 import os
 import time
 from pathlib import Path
@@ -13,7 +12,7 @@ import redis
 
 from packrat_mq import protocol, shared_payloads
 from packrat_mq.settings import Settings
-from packrat_mq.shared_payloads import SharedPayloadError, SharedPayloads
+from packrat_mq.shared_payloads import PayloadBuffer, SharedPayloadError, SharedPayloads
 from tests.test_worker import make_worker, push, replies, request, step, text
 
 
@@ -29,17 +28,37 @@ def files(tmp_path: Path) -> SharedPayloads:
 
 
 # --- the files -------------------------------------------------------------------
-def test_written_payload_reads_back_as_bytes_and_as_a_map(files: SharedPayloads) -> None:
+def test_written_payload_reads_back_as_bytes_and_into_a_reused_buffer(files: SharedPayloads) -> None:
     data = os.urandom(200_000)
     name = files.write(data)
     assert shared_payloads.valid_name(name)
     assert files.read(name, 1 << 20) == data
-    mapped = files.read(name, 1 << 20, mapped=True)
-    assert isinstance(mapped, mmap.mmap) and mapped[:] == data
-    # The map outlives the file: a worker deletes it while the handler may still hold arrays of it.
-    files.discard([name])
-    assert mapped[:10] == data[:10]
+    buffer = PayloadBuffer()
+    view = files.read(name, 1 << 20, into=buffer)
+    assert isinstance(view, memoryview) and view.readonly and view == data
+    # The next, smaller read reuses the buffer; a larger one replaces it and leaves the old view whole.
+    small = files.write(b"abc")
+    assert files.read(small, 100, into=buffer) == b"abc"
+    big = files.write(data * 2)
+    assert files.read(big, 1 << 20, into=buffer) == data * 2
+    assert bytes(view[3:10]) == data[3:10]
+    files.discard([name, small, big])
     assert not os.listdir(files.directory)
+
+
+def test_a_file_truncated_while_read_is_an_error_not_a_crash(files: SharedPayloads,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    name = files.write(b"x" * 10_000)
+    real_fstat = os.fstat
+
+    def fstat_then_truncate(fd: int) -> os.stat_result:
+        st = real_fstat(fd)
+        os.truncate(files.path(name), 100)  # the producer shrinks it between the size and the read
+        return st
+
+    monkeypatch.setattr(os, "fstat", fstat_then_truncate)
+    with pytest.raises(SharedPayloadError, match=r"changed while it was read \(100 of 10000 bytes\)"):
+        files.read(name, 1 << 20, into=PayloadBuffer())
 
 
 def test_rewrite_reuses_a_file_shrinks_it_and_makes_it_again_after_a_sweep(files: SharedPayloads) -> None:
@@ -114,10 +133,10 @@ def test_bad_payload_file_fields_are_refused_with_an_answer(extra: dict[str, byt
     assert protocol.error_kind(str(info.value)) == "bad_request"
 
 
-def test_npy_decodes_in_place_from_a_memory_map(files: SharedPayloads) -> None:
+def test_npy_decodes_in_place_from_a_read_buffer(files: SharedPayloads) -> None:
     arr = np.arange(60_000, dtype=np.float32).reshape(3, 20_000)
-    mapped = files.read(files.write(_npy(arr)), 1 << 20, mapped=True)
-    out = protocol.decode_payload(protocol.NPY, mapped)  # type: ignore[arg-type]
+    view = files.read(files.write(_npy(arr)), 1 << 20, into=PayloadBuffer())
+    out = protocol.decode_payload(protocol.NPY, view)  # type: ignore[arg-type]
     np.testing.assert_array_equal(out, arr)
     assert not out.flags.writeable
 

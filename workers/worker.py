@@ -96,6 +96,8 @@ class Worker:
         self.instance_key = self.keys.instance(spec.model, spec.instance_id)
         self.fence = self.keys.fence(spec.model, spec.instance_id)
         self.payload_files = self.settings.payload_files
+        #: One read buffer per position in a sub-batch, for .npy payloads in shared memory.
+        self._payload_buffers: list[shared_payloads.PayloadBuffer] = []
         self._stopping = threading.Event()
         self._recovering = True
         self._last_beat = 0.0
@@ -339,30 +341,35 @@ class Worker:
         first, last = wanted[0].stream_id, wanted[-1].stream_id
         found = {sid.decode(): fields for sid, fields in self.r.xrange(self.requests_stream, first, last, count=len(wanted))}
         missing = []
-        for req in wanted:
+        for slot, req in enumerate(wanted):
             fields = found.get(req.stream_id)
             if fields is None:
-                missing.append(req)
+                missing.append((slot, req))
             else:
-                self._take_payload(req, fields)
+                self._take_payload(req, fields, slot)
         if missing:
             pipe = self.r.pipeline(transaction=False)
-            for req in missing:
+            for _, req in missing:
                 pipe.xrange(self.requests_stream, req.stream_id, req.stream_id)
-            for req, entries in zip(missing, pipe.execute()):
+            for (slot, req), entries in zip(missing, pipe.execute()):
                 if entries:
-                    self._take_payload(req, entries[0][1])
+                    self._take_payload(req, entries[0][1], slot)
 
-    def _take_payload(self, req: protocol.Request, fields: dict[bytes, bytes]) -> None:
+    def _take_payload(self, req: protocol.Request, fields: dict[bytes, bytes], slot: int) -> None:
         name = shared_payloads.name_of(fields)
         if name is None:
             req.payload = fields.get(b"payload")
             return
         req.payload_shm = name
         req.payload_shm_keep = shared_payloads.kept(fields)
+        # An .npy array is decoded in place: read into this batch position's reusable buffer.
+        buffer = None
+        if req.content_type == protocol.NPY:
+            if slot >= len(self._payload_buffers):
+                self._payload_buffers.append(shared_payloads.PayloadBuffer())
+            buffer = self._payload_buffers[slot]
         try:
-            req.payload = self.payload_files.read(name, self.settings.max_payload_bytes,
-                                                  mapped=req.content_type == protocol.NPY)
+            req.payload = self.payload_files.read(name, self.settings.max_payload_bytes, into=buffer)
         except shared_payloads.SharedPayloadError as exc:
             req.fetch_error = str(exc)
 
