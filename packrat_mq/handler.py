@@ -72,6 +72,10 @@ class BaseHandler:
     - ``inference(batch)`` runs the model under ``torch.inference_mode()``.
     - ``postprocess(output)`` returns one JSON-able value, ``numpy`` array or
       ``bytes`` per request.
+
+    ``.npy`` inputs arrive as read-only arrays over the request's own bytes
+    (or over a worker's reusable buffer, for payloads in shared memory):
+    copy what you change, and what you keep past the batch.
     """
 
     #: Whether ``initialize`` may build this handler's model as a graph (``context.graph_mode``).

@@ -372,7 +372,9 @@ def _decode_npy(payload: bytes | memoryview | Any) -> Any:
     or a read-only view of the buffer a payload file in shared memory was read into): a
     600 KB image is not copied again before the handler's own preprocessing,
     which copies it into its batch tensor anyway. Handlers must not write to
-    their input arrays (``validate`` and ``preprocess`` build new ones).
+    their input arrays (``validate`` and ``preprocess`` build new ones), nor
+    keep them past their batch: a worker reuses the buffer a payload file was
+    read into.
     """
     # A view of a worker's buffer (a payload file in shared memory) is read in place too: only the
     # header is copied.

@@ -74,7 +74,9 @@ class PayloadBuffer:
     Reused from batch to batch, so its pages are faulted in once, not at
     every read. It grows by replacement, never in place: views handed out
     earlier (a previous batch's arrays) keep the old memory alive and
-    unchanged in size.
+    unchanged in size. Its contents change at the next batch: a handler
+    must not keep its input arrays past the batch they came in (a cache of
+    inputs must copy them).
     """
 
     def __init__(self) -> None:
