@@ -37,10 +37,12 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -58,6 +60,7 @@ from packrat_mq import protocol  # noqa: E402
 from packrat_mq.connection import EmbeddedRedis, connect  # noqa: E402
 from packrat_mq.keys import Keys  # noqa: E402
 from packrat_mq.records import DispatcherState, SupervisorState  # noqa: E402
+from packrat_mq.shared_payloads import SharedPayloads  # noqa: E402
 from packrat_mq.topology import Topology  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -172,8 +175,12 @@ def trace(caps: dict[int, float], unit_s: float) -> tuple[list[Phase], list[str]
 class Driver:
     """Open-loop Poisson producer and a reply reader for one setup."""
 
-    def __init__(self, url: str, prefix: str, model: str, payloads: list[tuple[bytes, str]], seed: int) -> None:
+    def __init__(self, url: str, prefix: str, model: str, payloads: list[tuple[bytes, str]], seed: int,
+                 shm_dir: str | None = None) -> None:
         self.r = connect(url)
+        #: ``--shm``: each request's payload is written to a new file in this shared-memory directory,
+        #: which the request names (the service deletes it), as a producer on the serving host would.
+        self.payload_files = SharedPayloads(shm_dir) if shm_dir else None
         self.reader_r = connect(url)
         self.keys = Keys(prefix)
         self.model = model
@@ -247,7 +254,12 @@ class Driver:
                 rid = f"r{k}"
                 k += 1
                 self.sent[rid] = (time.time(), phase.name)
-                self.r.xadd(self.keys.requests(self.model), protocol.request_fields(rid, self.reply_to, payload, ctype))
+                if self.payload_files is not None:  # the file's write is part of the request's latency
+                    fields = protocol.request_fields(rid, self.reply_to, None, ctype,
+                                                     payload_shm=self.payload_files.write(payload))
+                else:
+                    fields = protocol.request_fields(rid, self.reply_to, payload, ctype)
+                self.r.xadd(self.keys.requests(self.model), fields)
         self._trace_end = time.monotonic()
         self._stop.set()
         reader.join()
@@ -351,6 +363,9 @@ def run_setup(name: str, args: argparse.Namespace, url: str, phases: list[Phase]
     elif name == "adaptive-no-prewarm":
         cmd += ["--no-prewarm"]  # spares only once a change retires instances
     env = dict(os.environ, PACKRAT_LOG_LEVEL="WARNING")
+    shm_dir = tempfile.mkdtemp(prefix="packrat-bench-", dir="/dev/shm") if args.shm else None
+    if shm_dir:
+        env["PACKRAT_SHM_DIR"] = shm_dir
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     lines: list[str] = []
     assert proc.stdout is not None
@@ -369,7 +384,7 @@ def run_setup(name: str, args: argparse.Namespace, url: str, phases: list[Phase]
         print(f"[{name}] spares loaded {spares_s:.1f} s after ready; the trace starts now", flush=True)
     monitor = Monitor(url, prefix, args.model)
     monitor.start()
-    driver = Driver(url, prefix, args.model, payloads, seed=args.seed)
+    driver = Driver(url, prefix, args.model, payloads, seed=args.seed, shm_dir=shm_dir)
     try:
         driver.run(phases)
     finally:
@@ -382,8 +397,13 @@ def run_setup(name: str, args: argparse.Namespace, url: str, phases: list[Phase]
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
+        if shm_dir:
+            left = len(os.listdir(shm_dir))  # files no worker answered (and deleted)
+            shutil.rmtree(shm_dir, ignore_errors=True)
     result = analyse(name, driver, monitor.samples, history, phases, lines)
     result["spares_loaded_s"] = spares_s
+    if shm_dir:
+        result["shm_files_left"] = left
     return result
 
 
@@ -600,6 +620,8 @@ def main(argv: list[str] | None = None) -> int:
                         "trace's phases at the loads they are meant to be instead of past saturation; `auto` "
                         "measures the ratio first (a real model only: about 30 s)")
     p.add_argument("--setups", default="adaptive,static-1,static-32")
+    p.add_argument("--shm", action="store_true",
+                   help="payloads in shared memory (payload_shm, a /dev/shm directory per setup), not in Redis")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--name", default=None)
     p.add_argument("--report", default=None, help="print the tables of a finished run's JSON")
