@@ -21,9 +21,9 @@ Setups, with T the CPUs this process may run on (``os.sched_getaffinity``):
 - ``packrat-reserved`` (T ≥ 2): ``packrat-mq up --graph torchscript --threads T-1 --batch B``: the
   optimizer's choice on one core fewer, that core left to Redis, the dispatcher and the clients.
 
-Setups run one after the other, in interleaved rounds (A, B, C, ..., A, B, C,
-...), each server started before its turn and stopped after it, so drift of a
-shared machine hits them alike. Ratios packrat-mq / TorchServe are taken within
+Setups run one after the other, in interleaved rounds, the order rotated one
+place per round (A, B, C; B, C, A; ...), each server started before its turn
+and stopped after it, so drift of a shared machine hits them alike. Ratios packrat-mq / TorchServe are taken within
 a round. TorchServe runs from its own virtual environment (``.venv-peers``,
 pinned in ``benchmarks/peers/constraints.txt``, with the project's torch), never
 the project's.
@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
                                                     wait_ms=s.wait_ms)
                   for s in all_setups if s.server == "torchserve"}
         for k in range(1, args.rounds + 1):
-            for s in all_setups:
+            for s in round_order(all_setups, k):
                 result["runs"].append(run_reported(s, k, args, workdir, payload, stores))
                 result["ratios"] = ratios(result["runs"], all_setups)
                 result["elapsed_s"] = time.monotonic() - started
@@ -395,6 +395,19 @@ def main(argv: list[str] | None = None) -> int:
             print(markdown(result))
         print(f"written to {json_out}")
     return 130 if interrupted else 0 if ok else 1
+
+
+def round_order(setups: list[Setup], round_no: int) -> list[Setup]:
+    """The setups of round ``round_no`` (1-based), rotated one place per round.
+
+    A host that drifts within a round favours whichever setup runs at its
+    quiet end; rotating spreads that over the setups instead of giving it to
+    the same one every round (at 05:47 on 12-02 the third setup of three lost
+    3-9% to the second in all three rounds, after winning by 6-11% as the
+    third of three in another order an hour before).
+    """
+    shift = (round_no - 1) % len(setups) if setups else 0
+    return setups[shift:] + setups[:shift]
 
 
 def run_reported(setup: Setup, round_no: int, args: argparse.Namespace, workdir: Path, payload: bytes,

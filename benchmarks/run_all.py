@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from benchmarks import bench_configs, bench_decode, bench_optimizer, bench_overhead
+from benchmarks import bench_configs, bench_decode, bench_lone, bench_optimizer, bench_overhead, bench_payload
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -27,6 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     print("\n== serving overhead (echo)", flush=True)
     bench_overhead.main(["--json-out", str(out / "overhead.json")]
                         + (["--runs", "1", "--quick"] if args.quick else ["--runs", "3"]))
+    print("\n== 600 KB payloads at B=8: through Redis, in shared memory, and the small-request floor", flush=True)
+    bench_payload.main(["--json-out", str(out / "payload.json"), "--modes", "redis,shm,small"]
+                       + (["--runs", "1", "--rounds", "20"] if args.quick else ["--runs", "3", "--rounds", "60"]))
+    print("\n== lone 600 KB requests to ResNet-50: through Redis and in shared memory", flush=True)
+    bench_lone.main(["--json-out", str(out / "lone.json")] + (["--requests", "5"] if args.quick else []))
     print("\n== decoding images (Pillow vs torchvision, per image)", flush=True)
     bench_decode.main(["--json-out", str(out / "decode.json")]
                       + (["--runs", "1", "--rounds", "2", "--iters", "10"] if args.quick else ["--serve"]))

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.bench_peers import make_setups, markdown, ratios, text_tables
+from benchmarks.bench_peers import make_setups, markdown, ratios, round_order, text_tables
 from packrat_mq import protocol
 
 
@@ -87,3 +87,10 @@ def test_torchserve_handler_gives_the_zoo_models_answers(tmp_path) -> None:
 
     with pytest.raises(ValueError, match="shaped"):
         served.handle([{"body": protocol.encode_as(protocol.NPY, torch.zeros(4, 4).numpy())}], context)
+
+
+def test_rounds_rotate_the_order_of_the_setups() -> None:
+    setups = make_setups(threads=2, batch=8, wait_ms=50)[:3]
+    keys = [[s.key for s in round_order(setups, k)] for k in (1, 2, 3, 4)]
+    assert keys == [["torchserve", "packrat-layout", "packrat-auto"], ["packrat-layout", "packrat-auto", "torchserve"],
+                    ["packrat-auto", "torchserve", "packrat-layout"], ["torchserve", "packrat-layout", "packrat-auto"]]
