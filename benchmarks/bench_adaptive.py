@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import queue
 import os
 import random
 import shutil
@@ -176,11 +177,17 @@ class Driver:
     """Open-loop Poisson producer and a reply reader for one setup."""
 
     def __init__(self, url: str, prefix: str, model: str, payloads: list[tuple[bytes, str]], seed: int,
-                 shm_dir: str | None = None) -> None:
+                 shm_dir: str | None = None, shm_keep: bool = False) -> None:
         self.r = connect(url)
-        #: ``--shm``: each request's payload is written to a new file in this shared-memory directory,
-        #: which the request names (the service deletes it), as a producer on the serving host would.
+        #: ``--shm``: each request's payload is written to a file in this shared-memory directory,
+        #: which the request names, as a producer on the serving host would: a new file per request
+        #: (the service deletes it), or with ``shm_keep`` one of the driver's own files, written again
+        #: once its request is answered (``payload_shm_keep``, what ``Client(shared_memory=True)`` does).
         self.payload_files = SharedPayloads(shm_dir) if shm_dir else None
+        self.shm_keep = shm_keep
+        self._free_files: queue.SimpleQueue[str] = queue.SimpleQueue()  # answered: written again
+        self._file_of: dict[str, str] = {}
+        self._files_made = 0
         self.reader_r = connect(url)
         self.keys = Keys(prefix)
         self.model = model
@@ -206,6 +213,9 @@ class Driver:
             entries = resp[0][1]
             for eid, f in entries:
                 rid = f[b"id"].decode()
+                name = self._file_of.pop(rid, None)
+                if name is not None:
+                    self._free_files.put(name)
                 self.replies.setdefault(rid, []).append({
                     "at": now, "ok": f[b"status"] == b"ok",
                     "inference_ms": float(f.get(b"inference_ms") or 0), "batch_size": int(f.get(b"batch_size") or 0),
@@ -254,7 +264,16 @@ class Driver:
                 rid = f"r{k}"
                 k += 1
                 self.sent[rid] = (time.time(), phase.name)
-                if self.payload_files is not None:  # the file's write is part of the request's latency
+                if self.payload_files is not None and self.shm_keep:  # the write is in the request's latency
+                    try:
+                        name = self._free_files.get_nowait()
+                    except queue.Empty:
+                        self._files_made += 1
+                        name = f"driver-{self._files_made}"
+                    self.payload_files.rewrite(name, payload)
+                    self._file_of[rid] = name
+                    fields = protocol.request_fields(rid, self.reply_to, None, ctype, payload_shm=name, keep=True)
+                elif self.payload_files is not None:
                     fields = protocol.request_fields(rid, self.reply_to, None, ctype,
                                                      payload_shm=self.payload_files.write(payload))
                 else:
@@ -384,7 +403,7 @@ def run_setup(name: str, args: argparse.Namespace, url: str, phases: list[Phase]
         print(f"[{name}] spares loaded {spares_s:.1f} s after ready; the trace starts now", flush=True)
     monitor = Monitor(url, prefix, args.model)
     monitor.start()
-    driver = Driver(url, prefix, args.model, payloads, seed=args.seed, shm_dir=shm_dir)
+    driver = Driver(url, prefix, args.model, payloads, seed=args.seed, shm_dir=shm_dir, shm_keep=args.shm == "keep")
     try:
         driver.run(phases)
     finally:
@@ -620,8 +639,10 @@ def main(argv: list[str] | None = None) -> int:
                         "trace's phases at the loads they are meant to be instead of past saturation; `auto` "
                         "measures the ratio first (a real model only: about 30 s)")
     p.add_argument("--setups", default="adaptive,static-1,static-32")
-    p.add_argument("--shm", action="store_true",
-                   help="payloads in shared memory (payload_shm, a /dev/shm directory per setup), not in Redis")
+    p.add_argument("--shm", nargs="?", const="new", default=None, choices=("new", "keep"),
+                   help="payloads in shared memory (payload_shm, a /dev/shm directory per setup), not in Redis: "
+                        "a new file per request, deleted by the service (new, the default), or the driver's own "
+                        "files written again once answered (keep, as Client(shared_memory=True) does)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--name", default=None)
     p.add_argument("--report", default=None, help="print the tables of a finished run's JSON")
