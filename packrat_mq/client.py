@@ -15,8 +15,9 @@ between a reply and its acknowledgement (docs/decisions.md, "Redis Cluster").
 A client on the serving host can keep large payloads out of Redis
 (``shared_memory=True``): each payload of at least ``shm_min_bytes`` is
 written to a file in the host's payload directory and the request names it
-(``payload_shm``; :mod:`packrat_mq.shared_payloads`). The service deletes
-the file once the request is answered.
+(``payload_shm``; :mod:`packrat_mq.shared_payloads`). The client keeps its
+files (``payload_shm_keep``) and writes the next payload into one whose
+reply has arrived; :meth:`Client.close` deletes them.
 """
 from __future__ import annotations
 
