@@ -511,8 +511,7 @@ class Dispatcher:
             if unanswerable:
                 pipe.hincrby(stats_key, "unanswerable", unanswerable)
             replies.execute(pipe, f"model {self.model}", delivery)
-        if refused:
-            self._discard_payload_files(refused)
+        self._discard_payload_files(refused)
         if self.tally is not None:
             self.tally.count("requests", n=len(accepted) + len(rejected))
             if unanswerable:

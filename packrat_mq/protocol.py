@@ -215,7 +215,7 @@ def parse_request(
     payload = fields.get(b"payload")
     size = payload_size(fields)
     shm = _text(fields, SHM_FIELD)
-    if shm is not None or SHM_FIELD in fields:
+    if SHM_FIELD in fields:
         # The payload is a file on the serving host: its size is checked where it is read.
         if size is not None:
             raise RequestRejected(f"payload and {shared_payloads.FIELD} are exclusive: send one of them",

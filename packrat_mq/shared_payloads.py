@@ -108,19 +108,14 @@ class SharedPayloads:
     # --- the producer's side ---------------------------------------------
     def write(self, data: bytes | bytearray | memoryview) -> str:
         """Write ``data`` to a new file; returns its name for the request's ``payload_shm``."""
-        os.makedirs(self.directory, mode=DIR_MODE, exist_ok=True)
         name = uuid.uuid4().hex
-        fd = os.open(self.path(name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
-                     FILE_MODE)
         try:
-            view = memoryview(data).cast("B")
-            while view:
-                view = view[os.write(fd, view):]
+            self._write(name, data, os.O_EXCL)
+        except FileExistsError:
+            raise  # not ours to delete
         except BaseException:
-            os.close(fd)
-            self.discard([name])
+            self.discard([name])  # the part written
             raise
-        os.close(fd)
         return name
 
     def rewrite(self, name: str, data: bytes | bytearray | memoryview) -> None:
@@ -131,9 +126,12 @@ class SharedPayloads:
         file is opened by name each time: one the sweep deleted meanwhile is
         made again, not written unseen through an old descriptor.
         """
+        self._write(name, data, 0)
+
+    def _write(self, name: str, data: bytes | bytearray | memoryview, flags: int) -> None:
         path = self.path(name)
         os.makedirs(self.directory, mode=DIR_MODE, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | flags, FILE_MODE)
         try:
             view = memoryview(data).cast("B")
             size = len(view)
@@ -141,7 +139,7 @@ class SharedPayloads:
             while offset < size:
                 offset += os.pwrite(fd, view[offset:], offset)
             if os.fstat(fd).st_size != size:
-                os.ftruncate(fd, size)
+                os.ftruncate(fd, size)  # a rewritten file that held a larger payload
         finally:
             os.close(fd)
 
