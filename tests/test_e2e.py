@@ -14,6 +14,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,6 +33,7 @@ def _ms(stream_id: bytes) -> int:
 class Stack:
     def __init__(self, proc: subprocess.Popen[bytes], r: redis.Redis, model: str, prefix: str) -> None:
         self.proc, self.r, self.model, self.prefix = proc, r, model, prefix
+        self.url = ""  # the Redis URL the stack serves on
         #: request id -> the entry id XADD gave it (its enqueue time on Redis' clock)
         self.sent: dict[str, bytes] = {}
 
@@ -73,6 +75,7 @@ def stack(request: pytest.FixtureRequest, redis_url: str, r: redis.Redis, prefix
     env = dict(os.environ, PACKRAT_LOG_LEVEL="WARNING")
     proc = subprocess.Popen(cmd, env=env)
     s = Stack(proc, r, model, prefix)
+    s.url = redis_url
     try:
         n = len(instances.split(","))
         wait_for(lambda: r.exists(s.key("config", model)) and
@@ -228,3 +231,23 @@ def test_payloads_in_shared_memory_are_served_and_their_files_deleted(stack: Sta
     refused = [f for i, f in by_id.items() if i.startswith("dup-")]
     assert len(refused) == 3 and all(b"exclusive" in f[b"error"] for f in refused)
     assert os.listdir(shm) == [], "answered requests' files deleted by the worker; a refused one's by the dispatcher"
+
+
+@pytest.mark.parametrize("stack", [("echo", "1x2")], indirect=True)
+def test_submit_shm_sends_the_file_through_shared_memory(stack: Stack, tmp_path: Path) -> None:
+    arr = np.arange(6, dtype=np.float32).reshape(2, 3)
+    path = tmp_path / "x.npy"
+    path.write_bytes(_npy(arr))
+    done = subprocess.run([sys.executable, "-m", "packrat_mq", "submit", "-m", "echo", "--file", str(path), "--shm",
+                           "--json", "--redis-url", stack.url, "--prefix", stack.prefix],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["value"] == arr.tolist()
+    assert int(stack.r.hget(stack.key("stats", "echo"), "replies")) == 1
+    assert os.listdir(os.environ["PACKRAT_SHM_DIR"]) == [], "the client deletes its file at close"
+    # A producer whose payload directory is not the service's: the worker cannot find the file, and says so.
+    elsewhere = dict(os.environ, PACKRAT_SHM_DIR=str(tmp_path / "other"))
+    done = subprocess.run([sys.executable, "-m", "packrat_mq", "submit", "-m", "echo", "--file", str(path), "--shm",
+                           "--redis-url", stack.url, "--prefix", stack.prefix],
+                          capture_output=True, text=True, timeout=60, env=elsewhere)
+    assert done.returncode == 1 and "payload_shm" in done.stderr and "is not in" in done.stderr, done.stderr

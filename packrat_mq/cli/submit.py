@@ -33,6 +33,9 @@ def file_content_type(path: Path, payload: bytes) -> str:
 @click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds to wait for the reply.")
 @click.option("--deadline", type=float, default=None, help="Ask the service to give up after this many seconds.")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole reply as one JSON object.")
+@click.option("--shm", is_flag=True,
+              help="Put the payload in shared memory (a file in PACKRAT_SHM_DIR that the request names) instead "
+                   "of Redis; only on the host that serves the model.")
 @redis_options
 def submit(
     settings: Settings,
@@ -44,6 +47,7 @@ def submit(
     timeout: float,
     deadline: float | None,
     as_json: bool,
+    shm: bool,
 ) -> None:
     """Send one request to MODEL and print the reply.
 
@@ -52,7 +56,7 @@ def submit(
       packrat-mq submit -m echo -d '{"hello": "world"}'
       packrat-mq submit -m minilm --text "A man is eating food." --json
       packrat-mq submit -m resnet50 --file photo.jpg
-      packrat-mq submit -m resnet50 --file image.npy
+      packrat-mq submit -m resnet50 --file image.npy --shm   # on the serving host: not through Redis
     """
     given = [x is not None for x in (data, text, file)]
     if sum(given) != 1:
@@ -77,7 +81,7 @@ def submit(
         served = ", ".join(sorted(m.decode() for m in r.smembers(settings.keys.models()))) or "none"
         raise click.ClickException(f"model {model!r} is not served here (served: {served}); "
                                    f"start it with `packrat-mq up --model {model}`")
-    client = Client(r, prefix=settings.prefix)
+    client = Client(r, prefix=settings.prefix, shared_memory=shm, shm_dir=settings.shm_dir, shm_min_bytes=1)
     try:
         reply = client.submit(model, payload, content_type=content_type or ctype, timeout=timeout, deadline_s=deadline)
     except ReplyTimeout as exc:
