@@ -45,9 +45,6 @@ ERROR = "error"
 #: Internal to the dispatcher (see ``dispatcher.reading``); a producer's field of this name is ignored.
 PAYLOAD_BYTES = "payload:bytes"
 
-#: The field naming a payload file in shared memory (:mod:`packrat_mq.shared_payloads`), as it is read.
-SHM_FIELD = shared_payloads.FIELD.encode()
-
 #: Longest id / reply_to accepted, so a hostile producer cannot blow up replies.
 MAX_ID_LEN = 256
 MAX_REPLY_TO_LEN = 1024
@@ -214,16 +211,14 @@ def parse_request(
         raise RequestRejected(f"id longer than {MAX_ID_LEN} characters", request_id=request_id[:MAX_ID_LEN], reply_to=reply_to)
     payload = fields.get(b"payload")
     size = payload_size(fields)
-    shm = _text(fields, SHM_FIELD)
-    if SHM_FIELD in fields:
+    shm = _text(fields, shared_payloads.FIELD_BYTES)
+    if shared_payloads.FIELD_BYTES in fields:
         # The payload is a file on the serving host: its size is checked where it is read.
         if size is not None:
             raise RequestRejected(f"payload and {shared_payloads.FIELD} are exclusive: send one of them",
                                   request_id=request_id, reply_to=reply_to)
         if shm is None or not shared_payloads.valid_name(shm):
-            raise RequestRejected(
-                f"{shared_payloads.FIELD} must be a file name of 1-128 letters, digits, '.', '_' or '-' "
-                "(not starting with '.' or '-')", request_id=request_id, reply_to=reply_to)
+            raise RequestRejected(shared_payloads.NAME_RULE, request_id=request_id, reply_to=reply_to)
         size = 0
     if size is None:
         raise RequestRejected("missing payload field", request_id=request_id, reply_to=reply_to)
@@ -449,7 +444,7 @@ def encode_subbatch(requests: list[Request], batch_id: str) -> dict[str, Any]:
 
     Metadata travels as one JSON array (one dumps per sub-batch, not per
     request). Payloads stay in the request stream, where the producer wrote
-    them; the worker fetches them by ``stream_id`` (:func:`payload_of`), so a
+    them; the worker fetches them by ``stream_id`` (``Worker.fetch_payloads``), so a
     600 KB image crosses Redis twice (producer in, worker out) instead of
     four times (see docs/decisions.md "Payloads stay in the request stream").
     """
@@ -478,13 +473,6 @@ def decode_subbatch(fields: dict[bytes, bytes]) -> list[Request]:
         )
         for i, m in enumerate(meta)
     ]
-
-
-def payload_of(entries: list[tuple[bytes, dict[bytes, bytes]]]) -> bytes | None:
-    """The payload of an ``XRANGE id id`` answer, or ``None`` if the entry is gone."""
-    if not entries:
-        return None
-    return entries[0][1].get(b"payload")
 
 
 # --- replies ----------------------------------------------------------

@@ -57,8 +57,13 @@ FIELD = "payload_shm"
 #: With ``1``, the producer keeps the file: the service reads it and leaves it (the producer reuses
 #: or deletes it once the reply has arrived). Without it, the service deletes it after answering.
 KEEP_FIELD = "payload_shm_keep"
+#: The two fields as they are read from a stream entry.
+FIELD_BYTES = FIELD.encode()
+KEEP_FIELD_BYTES = KEEP_FIELD.encode()
 #: A payload file's name: one path component, not hidden, at most 128 characters.
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
+#: What a name must be, as a producer is told when it is not.
+NAME_RULE = f"{FIELD} must be a file name of 1-128 letters, digits, '.', '_' or '-' (not starting with '.' or '-')"
 #: Files are readable by the producer's user and group (workers may run as another user of the group).
 FILE_MODE = 0o640
 DIR_MODE = 0o750
@@ -100,9 +105,7 @@ class SharedPayloads:
 
     def path(self, name: str) -> str:
         if not valid_name(name):
-            raise SharedPayloadError(
-                f"{FIELD} must be a file name of 1-128 letters, digits, '.', '_' or '-' "
-                f"(not starting with '.' or '-'), not {name[:80]!r}")
+            raise SharedPayloadError(f"{NAME_RULE}, not {name[:80]!r}")
         return os.path.join(self.directory, name)
 
     # --- the producer's side ---------------------------------------------
@@ -232,7 +235,7 @@ class SharedPayloads:
 
 def kept(fields: dict[bytes, bytes]) -> bool:
     """Whether the entry's producer keeps its payload file (the service must not delete it)."""
-    return fields.get(KEEP_FIELD.encode()) == b"1"
+    return fields.get(KEEP_FIELD_BYTES) == b"1"
 
 
 def owned_name(fields: dict[bytes, bytes]) -> str | None:
@@ -242,7 +245,7 @@ def owned_name(fields: dict[bytes, bytes]) -> str | None:
 
 def name_of(fields: dict[bytes, bytes]) -> str | None:
     """The payload file an entry names, if it names a valid one."""
-    raw = fields.get(FIELD.encode())
+    raw = fields.get(FIELD_BYTES)
     if raw is None:
         return None
     try:

@@ -33,9 +33,8 @@ class SleepHandler(BaseHandler):
     sleeps: a stand-in for a real model's input when measuring the serving
     path (``benchmarks/bench_payload.py`` sends it 600 KB images). With the
     option ``copy_inputs`` (true) it first copies each array into one batch,
-    as a vision model's ``preprocess`` does, so that what reading the bytes
-    left to their first use (a memory map's page faults) is paid as it
-    would be.
+    as a vision model's ``preprocess`` does, so that the copy a real model
+    makes of its inputs is in the measured batch as it would be.
     """
 
     traceable = False
