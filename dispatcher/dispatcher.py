@@ -229,7 +229,7 @@ class Dispatcher:
         entries = self.reader.read(count)
         if entries or not block_ms:
             return entries
-        return self.reader.wait(block_ms)
+        return self.reader.wait(block_ms, count)
 
     def refresh_deployment(self, raw: bytes | None) -> Deployment | None:
         if raw != self._raw_config:

@@ -9,8 +9,8 @@ record and whose node's supervisor record have both been not alive (expired
 or stale) for ``node_grace_s`` is taken for dead, and
 
 1. its fence (:meth:`packrat_mq.keys.Keys.fence`) is set: from then on that
-   instance's reply transaction aborts (the worker WATCHes the fence and checks
-   it before its MULTI), so an instance that was only slow cannot answer;
+   instance's reply transaction writes nothing (every write in it checks the
+   fence: :mod:`workers.acks`), so an instance that was only slow cannot answer;
 2. its pending requests are XCLAIMed back to the dispatcher's own consumer,
    which re-reads its pending entries first (the same path as after its own
    crash) and dispatches them to live instances;
@@ -106,7 +106,7 @@ class Reclaimer:
         pending = self.r.xpending_range(self.stream, DISPATCHER_GROUP, min="-", max="+", count=1, consumername=owner)
         if not pending and not self.r.exists(queue):
             return 0
-        # The fence first: from here on the instance's reply transaction aborts, so its pending list is ours.
+        # The fence first: from here on the instance's reply transaction writes nothing, so its pending list is ours.
         self.r.set(self.keys.fence(self.model, instance_id), "1", ex=FENCE_TTL_S)
         ids = list(self._pending_ids(owner))
         pipe = self.r.pipeline(transaction=True)

@@ -138,7 +138,7 @@ class Keys:
     def fence(self, model: str, instance_id: str) -> str:
         """Set when a dispatcher hands a dead instance's requests back: that instance may no longer reply.
 
-        The worker checks it (WATCH) in the transaction that replies, so a
+        Every write of the worker's reply transaction checks it (``workers.acks``), so a
         request re-dispatched elsewhere is answered once (see ``dispatcher.reclaiming``).
         """
         return self._model_key("fence", model, instance_id)

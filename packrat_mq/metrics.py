@@ -173,6 +173,8 @@ def count_replies(tally: Tally, grouped: Mapping[str, list[Mapping[str, Any]]], 
         if res == -1:
             tally.count("errors", "undeliverable", n=len(group))
             continue
+        if res == -2:
+            continue  # its guard was set: nothing written
         errors = [fields for fields in group if fields.get("status") == ERROR]
         if len(errors) < len(group):
             tally.count("replies", "ok", n=len(group) - len(errors))

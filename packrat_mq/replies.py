@@ -11,6 +11,12 @@ stays atomic with the acks) that makes writing to a hostile name harmless:
   only ever extended: a persistent key never becomes volatile, so a reply can
   never schedule the deletion of a key the service did not create.
 
+A ``guard`` key makes the delivery conditional: while it exists the script
+writes nothing and returns -2. A worker passes its fence
+(:meth:`packrat_mq.keys.Keys.fence`), so a transaction whose every write is
+guarded by the fence needs no WATCH: inside EXEC every script sees the same
+fence, and a fenced instance's transaction writes nothing at all.
+
 Names inside the deployment's own namespace are refused earlier, by
 :func:`packrat_mq.protocol.reply_to_problem`, before anything is written.
 
@@ -37,10 +43,11 @@ from packrat_mq.connection import is_cluster
 
 log = logging.getLogger("packrat_mq.replies")
 
-# KEYS[1] reply stream, KEYS[2] (optional) stats hash.
+# KEYS[1] reply stream, KEYS[2] (optional) stats hash, KEYS[3] (optional, with KEYS[2]) guard.
 # ARGV: ttl_s, n_errors, then per reply: field count, f1, v1, f2, v2, ...
 _DELIVER = """
 local key = KEYS[1]
+if KEYS[3] and redis.call('EXISTS', KEYS[3]) == 1 then return -2 end
 local kind = redis.call('TYPE', key)['ok']
 local ttl = tonumber(ARGV[1])
 local n_err = tonumber(ARGV[2])
@@ -81,7 +88,8 @@ class Delivery:
 
     grouped: dict[str, list[Mapping[str, Any]]]
     #: Per reply stream, in the order of ``grouped``: the number written, -1 when
-    #: ``reply_to`` is a key of another type, or the error of the script.
+    #: ``reply_to`` is a key of another type, -2 when the guard was set (nothing
+    #: written), or the error of the script.
     results: list[Any] = field(default_factory=list)
     #: True: queued in the transaction (one Redis); False: written before it (Redis Cluster).
     in_transaction: bool = True
@@ -116,21 +124,29 @@ def queue(
     *,
     ttl_s: int,
     stats_key: str | None = None,
+    guard: str | None = None,
 ) -> Delivery:
     """Deliver ``(reply_to, fields)`` pairs with the transaction ``pipe`` (a pipeline of ``r``).
 
     One Redis: one script call per reply stream, queued in the transaction,
-    first; :func:`execute` fills in their results. Redis Cluster: written now
-    through ``r`` (see the module text), the counters queued on ``pipe``; a
-    Redis error that leaves replies unwritten (a node unreachable, a slot
-    moving) is raised, so nothing is acknowledged without its reply.
+    first; :func:`execute` fills in their results. Each writes nothing (-2)
+    if ``guard`` exists when it runs (see the module text; a guard needs
+    ``stats_key``). Redis Cluster: written now through ``r`` (see the module
+    text), the counters queued on ``pipe``; a Redis error that leaves replies
+    unwritten (a node unreachable, a slot moving) is raised, so nothing is
+    acknowledged without its reply. There the guard, in the transaction's
+    slot and not the reply streams', is the caller's to check first.
     """
+    if guard is not None and stats_key is None:
+        raise ValueError("a guarded delivery needs its stats key")
     grouped: dict[str, list[Mapping[str, Any]]] = {}
     for reply_to, fields in pairs:
         grouped.setdefault(reply_to, []).append(fields)
     if not is_cluster(pipe):
         for reply_to, group in grouped.items():
             keys = [reply_to] if stats_key is None else [reply_to, stats_key]
+            if guard is not None:
+                keys.append(guard)
             _eval(pipe, keys, _args(group, ttl_s))
         return Delivery(grouped)
     delivery = Delivery(grouped, _write_now(r, grouped, ttl_s), in_transaction=False)

@@ -67,3 +67,22 @@ def test_the_reader_leaves_payloads_in_redis_only_while_they_are_large(r: redis.
     assert payload_size(first) == payload_size(rest[0][1]) == len(big)
     forged = r.xadd(stream, {"id": "forged", PAYLOAD_BYTES: "1"})
     assert reader.wait(100) == [(forged, {b"id": b"forged"})], "a blocking read drops a forged size field"
+
+
+def test_a_blocking_read_takes_a_burst_at_once_while_payloads_are_small(r: redis.Redis, prefix: str) -> None:
+    """One round trip for B requests that arrived together; one entry at a time once payloads are large."""
+    stream = f"{prefix}:burst"
+    r.xgroup_create(stream, "g", id="0", mkstream=True)
+    reader = RequestReader(r, stream, "g", "c")
+    for i in range(5):
+        r.xadd(stream, {"id": f"s{i}", "payload": b"{}"})
+    got = reader.wait(100, count=4)
+    assert [f[b"id"] for _, f in got] == [b"s0", b"s1", b"s2", b"s3"]
+    assert [f[b"payload"] for _, f in got] == [b"{}"] * 4
+    big = b"x" * (4 * LARGE_PAYLOAD_BYTES)
+    reader.read(1)
+    for i in range(3):
+        r.xadd(stream, {"id": f"big{i}", "payload": big})
+    reader.read(1)  # a large one seen: the reader leaves payloads in Redis from now on
+    assert reader.without_payloads
+    assert [f[b"id"] for _, f in reader.wait(100, count=8)] == [b"big1"]

@@ -195,7 +195,7 @@ def test_replies_go_to_each_producers_stream(r: redis.Redis, settings: Settings)
 
 
 def test_wakeup_list_is_capped(r: redis.Redis, settings: Settings) -> None:
-    from workers.worker import WAKEUP_CAP
+    from workers.acks import WAKEUP_CAP
 
     w = make_worker(r, settings)
     r.rpush(settings.keys.wakeup(MODEL), *(["old"] * (WAKEUP_CAP + 10)))
@@ -281,6 +281,52 @@ def test_reply_to_of_wrong_type_does_not_kill_the_worker(r: redis.Redis, setting
     assert [text(f, "id") for f in replies(r)] == ["req-1"]
     assert r.get(not_a_stream) == b"v"
     assert_queue_clean(r, w)
+
+
+class Fencing(EchoHandler):
+    """Echo during whose batch a dispatcher takes the instance for dead and sets its fence."""
+
+    def __init__(self, r: redis.Redis, fence: str) -> None:
+        super().__init__()
+        self.r, self.fence = r, fence
+
+    def inference(self, batch: Any) -> Any:
+        self.r.set(self.fence, "1")
+        return batch
+
+
+def test_a_fence_set_while_the_batch_runs_leaves_the_transaction_unwritten(
+    r: redis.Redis, settings: Settings
+) -> None:
+    """Every write of the reply transaction checks the fence: no reply, no ack, no counter, no wake-up."""
+    w = make_worker(r, settings, Fencing(r, settings.keys.fence(MODEL, "i0")))
+    other = settings.keys.replies("c2")
+    push(r, w, [request(0), request(1, reply_to=other)])
+    assert step(w) == 1
+    assert w._stopping.is_set()  # it stops; a new process lifts the fence
+    assert replies(r) == [] and replies(r, other) == []
+    assert r.xpending(w.queue, WORKER_GROUP)["pending"] == 1  # still its, for the dispatcher to claim back
+    assert r.xlen(w.requests_stream) == 2
+    assert r.hget(settings.keys.stats(MODEL), "replies") is None
+    assert r.hget(w.instance_key, "batches") is None
+    assert r.llen(settings.keys.wakeup(MODEL)) == 0
+    assert w.batches == 0
+
+
+def test_a_failed_acknowledgement_is_logged_and_the_rest_applied(
+    r: redis.Redis, settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Like EXEC, the acknowledgement script runs every command and reports the one that failed."""
+    w = make_worker(r, settings)
+    push(r, w, [request(0)])
+    r.set(settings.keys.wakeup(MODEL), "not a list")  # its LPUSH fails: WRONGTYPE
+    with caplog.at_level("WARNING", logger="packrat_mq.worker"):
+        assert step(w) == 1
+    assert [text(f, "id") for f in replies(r)] == ["req-0"]
+    assert_queue_clean(r, w)
+    assert r.hget(w.instance_key, "batches") == b"1"
+    assert any("WRONGTYPE" in rec.getMessage() for rec in caplog.records), caplog.text
+    assert not w._stopping.is_set()
 
 
 # --- redelivery --------------------------------------------------------------

@@ -6,8 +6,8 @@ becomes a ready instance with :func:`workers.runtime.start` (the same start
 the profiler measures), then loops: read a sub-batch (request metadata and
 stream ids), fetch its payloads from the request stream, run it, and in one
 MULTI/EXEC send every reply, XACK and XDEL the sub-batch and its requests
-and wake the dispatcher. The
-transaction is what makes each request answered exactly once: a worker that
+and wake the dispatcher, every write guarded by the instance's fence
+(:mod:`workers.acks`). The transaction is what makes each request answered exactly once: a worker that
 dies before EXEC leaves the sub-batch pending, and its replacement (same
 consumer name) delivers it again; one that dies after has nothing pending.
 On Redis Cluster the replies (in other slots) are written just before that
@@ -43,19 +43,17 @@ from packrat_mq.backoff import Backoff
 from packrat_mq.connection import check_cluster, connect
 from packrat_mq.graph import GraphModeError
 from packrat_mq.handler import BaseHandler, Input, Outcome, run_batch
-from packrat_mq.keys import DISPATCHER_GROUP, WORKER_GROUP
+from packrat_mq.keys import WORKER_GROUP
 from packrat_mq.metrics import WORKER_HISTOGRAMS, Tally, count_replies
 from packrat_mq.records import InstanceState
 from packrat_mq.recovery import recover
 from packrat_mq.settings import Settings
-from workers import rebinding, runtime
+from workers import acks, rebinding, runtime
 from workers.launch import read_spec
 from workers.runtime import RuntimeSpec
 
 log = logging.getLogger("packrat_mq.worker")
 
-#: Cap on the dispatcher's wake-up list; tokens only say "look again".
-WAKEUP_CAP = 64
 #: How long an idle worker blocks on its queue: also how long it may take to notice SIGTERM
 #: (a reconfiguration waits for retired instances to exit). Four reads a second cost nothing.
 READ_BLOCK_MS = 250
@@ -417,55 +415,50 @@ class Worker:
         inference_ms: float = 0.0,
     ) -> None:
         s = self.spec
+        stats = self.keys.stats(s.model)
+        if self.keys.cluster and self.r.exists(self.fence):
+            # There the replies are written before the transaction (packrat_mq.replies): not when fenced.
+            self._fenced(entry_id)
+            return
+        pairs = []
+        for req, outcome in zip(requests, outcomes or []):
+            timing = {
+                # Not clamped at 0: a negative value says the worker's clock is
+                # behind Redis's (the request's time is its stream id), which
+                # a clamp would hide.
+                "queue_ms": started_ms - req.enqueued_ms,
+                "inference_ms": inference_ms,
+                "batch_size": len(requests),
+                "instance": s.instance_id,
+                "model": s.model,
+            }
+            if outcome.ok:
+                try:
+                    payload, ctype = protocol.encode_payload(outcome.value)
+                except Exception as exc:  # noqa: BLE001 - a bad value fails its own request only
+                    outcome = Outcome(error=f"handler output could not be encoded: {exc}")
+                else:
+                    pairs.append((req.reply_to, protocol.reply_fields(req.id, payload=payload, content_type=ctype,
+                                                                      **timing)))
+            if not outcome.ok:
+                pairs.append((req.reply_to, protocol.error_reply(req.id, outcome.error or "error", **timing)))
+        # The requests themselves, left in the request stream by the dispatcher (owned by this instance).
+        fetched = [req.stream_id for req in requests if req.stream_id and not req.inline]
         with self.r.pipeline(transaction=True) as pipe:
-            # A dispatcher that took this instance for dead handed its requests to others and set the
-            # fence: watched, so a fence set between this check and the EXEC aborts the transaction.
-            pipe.watch(self.fence)
-            if pipe.exists(self.fence):
-                pipe.reset()
-                self._fenced(entry_id)
-                return
-            pipe.multi()
-            pairs = []
-            for req, outcome in zip(requests, outcomes or []):
-                timing = {
-                    # Not clamped at 0: a negative value says the worker's clock is
-                    # behind Redis's (the request's time is its stream id), which
-                    # a clamp would hide.
-                    "queue_ms": started_ms - req.enqueued_ms,
-                    "inference_ms": inference_ms,
-                    "batch_size": len(requests),
-                    "instance": s.instance_id,
-                    "model": s.model,
-                }
-                if outcome.ok:
-                    try:
-                        payload, ctype = protocol.encode_payload(outcome.value)
-                    except Exception as exc:  # noqa: BLE001 - a bad value fails its own request only
-                        outcome = Outcome(error=f"handler output could not be encoded: {exc}")
-                    else:
-                        pairs.append((req.reply_to, protocol.reply_fields(req.id, payload=payload, content_type=ctype,
-                                                                          **timing)))
-                if not outcome.ok:
-                    pairs.append((req.reply_to, protocol.error_reply(req.id, outcome.error or "error", **timing)))
-            stats = self.keys.stats(s.model)
-            # On Redis Cluster the replies are written here, before the EXEC (see packrat_mq.replies).
-            delivery = replies.queue(self.r, pipe, pairs, ttl_s=self.settings.reply_ttl_s, stats_key=stats)
-            pipe.xack(self.queue, WORKER_GROUP, entry_id)
-            pipe.xdel(self.queue, entry_id)
-            # The requests themselves, left in the request stream by the dispatcher (owned by this instance).
-            fetched = [req.stream_id for req in requests if req.stream_id and not req.inline]
-            if fetched:
-                pipe.xack(self.requests_stream, DISPATCHER_GROUP, *fetched)
-                pipe.xdel(self.requests_stream, *fetched)
-            pipe.lpush(self.keys.wakeup(s.model), s.instance_id)
-            pipe.ltrim(self.keys.wakeup(s.model), 0, WAKEUP_CAP - 1)
-            InstanceState.count(pipe, self.instance_key, "batches", renew=False)
-            try:
-                replies.execute(pipe, f"instance {s.instance_id}", delivery)
-            except redis.WatchError:
-                self._fenced(entry_id)  # the fence is the only key watched
-                return
+            # Every write checks the fence (a dispatcher that took this instance for dead handed its
+            # requests to others and set it): all of the transaction happens, or none (workers.acks).
+            delivery = replies.queue(self.r, pipe, pairs, ttl_s=self.settings.reply_ttl_s, stats_key=stats,
+                                     guard=self.fence)
+            at = len(pipe)  # after the replies (or, on Redis Cluster, their counters)
+            acks.queue_ack(pipe, self.keys, s.model, s.instance_id, entry_id, fetched)
+            results = replies.execute(pipe, f"instance {s.instance_id}", delivery)
+        ran, errors = acks.outcome(results[at])
+        if not ran:
+            self._fenced(entry_id)
+            return
+        for error in errors:
+            log.warning("instance %s: a command acknowledging sub-batch %s failed: %s", s.instance_id,
+                        entry_id.decode(), error)
         # Answered and deleted for good: their payload files are done with (never before the commit,
         # so that a worker that dies first leaves them for the instance that serves them again).
         shm_files = [req.payload_shm for req in requests if req.payload_shm and not req.payload_shm_keep]
