@@ -495,9 +495,11 @@ class Dispatcher:
                     continue
                 sub = accepted[start : start + n]
                 start += n
-                pipe.xadd(self.keys.queue(self.model, inst.id), protocol.encode_subbatch(sub, batch_id))
-                # The requests stay in the stream, pending, now owned by the instance:
-                # it fetches their payloads and acknowledges and deletes them with its replies.
+                pipe.xadd(self.keys.queue(self.model, inst.id),
+                          protocol.encode_subbatch(sub, batch_id, carry_bytes=protocol.CARRY_MAX_BYTES))
+                # The requests stay in the stream, pending, now owned by the instance: it fetches
+                # their payloads (but the small ones it gets here) and acknowledges and deletes them
+                # with its replies.
                 pipe.xclaim(self.stream, DISPATCHER_GROUP, request_owner(inst.id), 0,
                             [r.stream_id for r in sub], justid=True)
             if done:

@@ -114,6 +114,10 @@ class Request:
     stream_id: str = ""
     #: The payload came with the sub-batch (an older dispatcher's format), not from the request stream.
     inline: bool = False
+    #: The payload, or the name of its file, came with the sub-batch (``c<i>``, see
+    #: :func:`encode_subbatch`): the worker fetches nothing; the request is still pending in the
+    #: request stream and acknowledged there with its reply, as a fetched one is.
+    carried: bool = False
     #: The payload file in shared memory that holds the payload, if the producer wrote one
     #: (:mod:`packrat_mq.shared_payloads`); the worker deletes it once the request is answered.
     payload_shm: str | None = None
@@ -439,40 +443,68 @@ def _json_default(value: Any) -> Any:
 
 
 # --- sub-batches (dispatcher -> worker instance) ----------------------
-def encode_subbatch(requests: list[Request], batch_id: str) -> dict[str, Any]:
-    """One instance-queue entry naming a sub-batch: metadata only, no payloads.
+#: Payloads up to this size that the dispatcher has read ride along in the sub-batch (see
+#: :func:`encode_subbatch`): the size under which it reads payloads at all is larger on average
+#: (``dispatcher.reading.LARGE_PAYLOAD_BYTES``), so one large payload among small ones stays behind.
+CARRY_MAX_BYTES = 16 * 1024
+
+
+def encode_subbatch(requests: list[Request], batch_id: str, *, carry_bytes: int = 0) -> dict[str, Any]:
+    """One instance-queue entry naming a sub-batch: its requests' metadata, and their small payloads.
 
     Metadata travels as one JSON array (one dumps per sub-batch, not per
-    request). Payloads stay in the request stream, where the producer wrote
-    them; the worker fetches them by ``stream_id`` (``Worker.fetch_payloads``), so a
-    600 KB image crosses Redis twice (producer in, worker out) instead of
-    four times (see docs/decisions.md "Payloads stay in the request stream").
+    request). Large payloads stay in the request stream, where the producer
+    wrote them; the worker fetches them by ``stream_id``
+    (``Worker.fetch_payloads``), so a 600 KB image crosses Redis twice
+    (producer in, worker out) instead of four times (see docs/decisions.md
+    "Payloads stay in the request stream"). A payload the dispatcher has
+    read anyway (it reads small ones with their requests) and of at most
+    ``carry_bytes`` rides along in ``c<i>``, and a payload file's name
+    (with its keep flag) in the request's metadata: the worker then has
+    nothing to fetch, one round trip to Redis less per sub-batch. The
+    requests stay pending in the request stream either way.
     """
-    meta = [[r.id, r.reply_to, r.content_type, r.enqueued_ms, r.deadline_ms, r.stream_id] for r in requests]
-    return {"batch": batch_id, "meta": json.dumps(meta, separators=(",", ":"))}
+    meta: list[list[Any]] = []
+    fields: dict[str, Any] = {"batch": batch_id}
+    for i, r in enumerate(requests):
+        m: list[Any] = [r.id, r.reply_to, r.content_type, r.enqueued_ms, r.deadline_ms, r.stream_id]
+        if carry_bytes and r.payload_shm is not None:
+            m += [r.payload_shm, int(r.payload_shm_keep)]
+        elif carry_bytes and r.payload is not None and len(r.payload) <= carry_bytes:
+            fields[f"c{i}"] = r.payload
+        meta.append(m)
+    fields["meta"] = json.dumps(meta, separators=(",", ":"))
+    return fields
 
 
 def decode_subbatch(fields: dict[bytes, bytes]) -> list[Request]:
-    """The requests of a sub-batch; ``payload`` is None until fetched, unless carried inline.
+    """The requests of a sub-batch; ``payload`` is None until fetched, unless it came with the sub-batch.
 
-    Sub-batches written before payloads stayed in the request stream carry
-    them inline in ``p0``, ``p1``, ...; those are used as they are, so a queue
-    filled by an older dispatcher is still served.
+    Carried payloads (``c<i>``) and payload files (named in the metadata)
+    are the requests' own (see :func:`encode_subbatch`). Sub-batches written
+    before payloads stayed in the request stream carry them inline in
+    ``p0``, ``p1``, ...; those are used as they are, so a queue filled by an
+    older dispatcher is still served.
     """
     meta = json.loads(fields[b"meta"])
-    return [
-        Request(
+    requests = []
+    for i, m in enumerate(meta):
+        inline, carried = f"p{i}".encode(), f"c{i}".encode()
+        shm = m[6] if len(m) > 7 else None
+        requests.append(Request(
             id=m[0],
             reply_to=m[1],
             content_type=m[2],
             enqueued_ms=m[3],
             deadline_ms=m[4],
             stream_id=m[5],
-            payload=fields.get(f"p{i}".encode()),
-            inline=f"p{i}".encode() in fields,
-        )
-        for i, m in enumerate(meta)
-    ]
+            payload=fields.get(inline, fields.get(carried)),
+            inline=inline in fields,
+            carried=carried in fields or shm is not None,
+            payload_shm=shm,
+            payload_shm_keep=bool(m[7]) if shm is not None else False,
+        ))
+    return requests
 
 
 # --- replies ----------------------------------------------------------

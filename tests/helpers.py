@@ -87,13 +87,14 @@ def stop_supervisors(supervisors: list[Any], timeout: float, *, only_if_running:
                 child.process.wait()
 
 
-def hand_out(r: Any, keys: Any, model: str, instance_id: str, requests: list[Any], batch_id: str = "b1") -> bytes:
+def hand_out(r: Any, keys: Any, model: str, instance_id: str, requests: list[Any], batch_id: str = "b1", *,
+             carry_bytes: int = 0) -> bytes:
     """Do what the dispatcher does for one sub-batch, for tests that drive a worker directly.
 
     Each request is XADDed to the model's request stream (its ``stream_id``
     set to the new entry's), read by the dispatchers group and claimed for
-    the instance, and the sub-batch (ids and metadata) is XADDed to the
-    instance's queue; returns the queue entry's id.
+    the instance, and the sub-batch (ids and metadata, and the payloads up to
+    ``carry_bytes``) is XADDed to the instance's queue; returns the queue entry's id.
     """
     stream = keys.requests(model)
     ensure_group(r, stream, DISPATCHER_GROUP)
@@ -104,4 +105,4 @@ def hand_out(r: Any, keys: Any, model: str, instance_id: str, requests: list[Any
     r.xreadgroup(DISPATCHER_GROUP, "dispatcher", {stream: ">"})
     if requests:
         r.xclaim(stream, DISPATCHER_GROUP, request_owner(instance_id), 0, [q.stream_id for q in requests], justid=True)
-    return r.xadd(keys.queue(model, instance_id), protocol.encode_subbatch(requests, batch_id))
+    return r.xadd(keys.queue(model, instance_id), protocol.encode_subbatch(requests, batch_id, carry_bytes=carry_bytes))

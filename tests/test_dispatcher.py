@@ -121,9 +121,9 @@ def test_full_batch_split_per_deployment(r: redis.Redis, settings: Settings) -> 
     first = q[dep.instances[0].id][0][0]
     assert first.reply_to == reply_key(settings)
     assert first.content_type == protocol.JSON
-    # The payload is not copied into the sub-batch: it stays in the request
-    # stream, handed to the instance, which fetches it by stream id.
-    assert first.payload is None and not first.inline
+    # A small payload the dispatcher read rides along with the sub-batch; the request stays in the
+    # request stream all the same, handed to the instance, which acknowledges it with its reply.
+    assert first.payload == b'{"i": 0}' and first.carried and not first.inline
     [(_, fields)] = r.xrange(settings.keys.requests(MODEL), first.stream_id, first.stream_id)
     assert fields[b"payload"] == b'{"i": 0}'
     for inst in dep.instances:
@@ -134,6 +134,24 @@ def test_full_batch_split_per_deployment(r: redis.Redis, settings: Settings) -> 
     assert stats[b"requests"] == b"8" and stats[b"batches"] == b"1"
     assert replies(r, reply_key(settings)) == []  # nothing answered by the dispatcher
     assert MODEL.encode() in r.smembers(settings.keys.models())
+
+
+def test_only_small_payloads_and_payload_file_names_ride_along(r: redis.Redis, settings: Settings) -> None:
+    """Up to CARRY_MAX_BYTES the payload goes in the sub-batch; larger ones stay to be fetched."""
+    dep = deploy(r, settings, [(1, 3)])
+    d = make_dispatcher(r, settings)
+    stream = settings.keys.requests(MODEL)
+    big = b"x" * (protocol.CARRY_MAX_BYTES + 1)
+    r.xadd(stream, protocol.request_fields("small", reply_key(settings), b"[1]", protocol.JSON))
+    r.xadd(stream, protocol.request_fields("big", reply_key(settings), big, protocol.BYTES))
+    r.xadd(stream, protocol.request_fields("file", reply_key(settings), None, protocol.NPY,
+                                           payload_shm="img-1.npy", keep=True))
+    assert d.run_once() == 3
+    [[small, large, shm]] = queued(r, settings, dep)[dep.instances[0].id]
+    assert (small.payload, small.carried) == (b"[1]", True)
+    assert (large.payload, large.carried) == (None, False)
+    assert (shm.payload, shm.carried, shm.payload_shm, shm.payload_shm_keep) == (None, True, "img-1.npy", True)
+    assert held_by(r, settings, dep.instances[0].id) == [small.stream_id, large.stream_id, shm.stream_id]
 
 
 def test_fan_out_is_one_transaction(r: redis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:

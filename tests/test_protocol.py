@@ -348,6 +348,21 @@ def test_subbatch_round_trip_binary_and_unicode() -> None:
     assert decoded == [dataclasses.replace(req, payload=None) for req in requests]
 
 
+def test_subbatch_carries_small_payloads_and_payload_file_names() -> None:
+    """With ``carry_bytes``: payloads up to it in ``c<i>``, a file's name and keep flag in the metadata."""
+    small = Request(id="s", reply_to="rt", payload=b"[1,2]", content_type=protocol.JSON, enqueued_ms=1, stream_id="1-0")
+    large = Request(id="l", reply_to="rt", payload=b"x" * 9, content_type=protocol.BYTES, enqueued_ms=2, stream_id="2-0")
+    named = Request(id="f", reply_to="rt", payload=None, content_type=protocol.NPY, enqueued_ms=3, stream_id="3-0",
+                    payload_shm="a.npy", payload_shm_keep=True)
+    unread = Request(id="u", reply_to="rt", payload=None, content_type=protocol.NPY, enqueued_ms=4, stream_id="4-0")
+    fields = protocol.encode_subbatch([small, large, named, unread], "b", carry_bytes=8)
+    assert set(fields) == {"batch", "meta", "c0"}
+    decoded = protocol.decode_subbatch(_redis_round_trip(fields))
+    assert decoded == [dataclasses.replace(small, carried=True), dataclasses.replace(large, payload=None),
+                       dataclasses.replace(named, carried=True), unread]
+    assert not any(d.inline for d in decoded)
+
+
 def test_subbatch_with_inline_payloads_from_an_older_dispatcher() -> None:
     """A queue filled before payloads stayed in the request stream is still served as it was."""
     requests = [Request(id=f"r{i}", reply_to="rt", payload=bytes([i, 255]), content_type=protocol.BYTES,

@@ -148,8 +148,9 @@ def _shm_request(i: int, reply_to: str, name: str, *, keep: bool = False) -> pro
     return req
 
 
+@pytest.mark.parametrize("carry_bytes", [0, protocol.CARRY_MAX_BYTES], ids=["fetched", "named-in-the-sub-batch"])
 def test_worker_serves_payload_files_and_deletes_only_the_service_owned_ones(
-    r: redis.Redis, settings: Settings
+    r: redis.Redis, settings: Settings, carry_bytes: int
 ) -> None:
     w = make_worker(r, settings)
     files = settings.payload_files
@@ -158,7 +159,7 @@ def test_worker_serves_payload_files_and_deletes_only_the_service_owned_ones(
     owned, kept = files.write(_npy(arrays[0])), files.write(_npy(arrays[1]))
     reqs = [_shm_request(0, reply_to, owned), _shm_request(1, reply_to, kept, keep=True),
             request(2, reply_to=reply_to, payload=_npy(arrays[2]), content_type=protocol.NPY)]
-    push(r, w, reqs)
+    push(r, w, reqs, carry_bytes=carry_bytes)
     assert step(w) == 1
     got = {text(f, "id"): f for f in replies(r, reply_to)}
     for i, arr in enumerate(arrays):

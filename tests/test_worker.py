@@ -72,8 +72,8 @@ def request(i: int, value: Any = None, *, reply_to: str | None = None, deadline_
     )
 
 
-def push(r: redis.Redis, w: Worker, reqs: list[protocol.Request], batch_id: str = "b1") -> bytes:
-    return hand_out(r, w.keys, MODEL, w.spec.instance_id, reqs, batch_id)
+def push(r: redis.Redis, w: Worker, reqs: list[protocol.Request], batch_id: str = "b1", *, carry_bytes: int = 0) -> bytes:
+    return hand_out(r, w.keys, MODEL, w.spec.instance_id, reqs, batch_id, carry_bytes=carry_bytes)
 
 
 def step(w: Worker) -> int:
@@ -183,6 +183,22 @@ def test_sub_batch_with_inline_payloads_is_served_as_before(r: redis.Redis, sett
     assert step(w) == 1
     assert [text(f, "status") for f in replies(r)] == [protocol.OK, protocol.OK]
     assert r.xlen(w.queue) == 0
+
+
+def test_a_sub_batch_that_carries_its_payloads_is_served_without_fetching(
+    r: redis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Small payloads the dispatcher put in the sub-batch: no XRANGE; the requests are acknowledged all the same."""
+    w = make_worker(r, settings)
+    push(r, w, [request(0), request(1, "two")], carry_bytes=protocol.CARRY_MAX_BYTES)
+    fetched: list[Any] = []
+    real = w.r.xrange
+    monkeypatch.setattr(w.r, "xrange", lambda *a, **k: fetched.append(a) or real(*a, **k))
+    assert step(w) == 1
+    assert fetched == [], "a carried payload was fetched"
+    got = replies(r)
+    assert [protocol.decode_payload(text(f, "content_type"), f[b"payload"]) for f in got] == [{"i": 0}, "two"]
+    assert_queue_clean(r, w)
 
 
 def test_replies_go_to_each_producers_stream(r: redis.Redis, settings: Settings) -> None:

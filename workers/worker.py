@@ -332,14 +332,22 @@ class Worker:
         keeps ``payload=None`` and is answered with an error. A request whose
         entry names a payload file in shared memory (``payload_shm``) gets the
         file's bytes, or, if they cannot be read, the reason as its error.
+        Nothing is fetched of a request whose payload, or the name of its
+        file, came with the sub-batch (``carried``, small ones: see
+        :func:`packrat_mq.protocol.encode_subbatch`).
         """
-        wanted = [req for req in requests if not req.inline]
+        wanted = []
+        for slot, req in enumerate(requests):
+            if req.carried and req.payload_shm is not None:
+                self._read_file(req, slot)
+            elif not (req.inline or req.carried):
+                wanted.append((slot, req))
         if not wanted:
             return
-        first, last = wanted[0].stream_id, wanted[-1].stream_id
+        first, last = wanted[0][1].stream_id, wanted[-1][1].stream_id
         found = {sid.decode(): fields for sid, fields in self.r.xrange(self.requests_stream, first, last, count=len(wanted))}
         missing = []
-        for slot, req in enumerate(wanted):
+        for slot, req in wanted:
             fields = found.get(req.stream_id)
             if fields is None:
                 missing.append((slot, req))
@@ -360,6 +368,11 @@ class Worker:
             return
         req.payload_shm = name
         req.payload_shm_keep = shared_payloads.kept(fields)
+        self._read_file(req, slot)
+
+    def _read_file(self, req: protocol.Request, slot: int) -> None:
+        """Read ``req``'s payload file (``req.payload_shm``), or set why it cannot be read as its error."""
+        assert req.payload_shm is not None
         # An .npy array is decoded in place: read into this batch position's reusable buffer.
         buffer = None
         if req.content_type == protocol.NPY:
@@ -367,7 +380,7 @@ class Worker:
                 self._payload_buffers.append(shared_payloads.PayloadBuffer())
             buffer = self._payload_buffers[slot]
         try:
-            req.payload = self.payload_files.read(name, self.settings.max_payload_bytes, into=buffer)
+            req.payload = self.payload_files.read(req.payload_shm, self.settings.max_payload_bytes, into=buffer)
         except shared_payloads.SharedPayloadError as exc:
             req.fetch_error = str(exc)
 
