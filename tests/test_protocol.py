@@ -349,17 +349,18 @@ def test_subbatch_round_trip_binary_and_unicode() -> None:
 
 
 def test_subbatch_carries_small_payloads_and_payload_file_names() -> None:
-    """With ``carry_bytes``: payloads up to it in ``c<i>``, a file's name and keep flag in the metadata."""
+    """With ``carry_bytes``: payloads up to it in all in ``c``, a file's name and keep flag in the metadata."""
     small = Request(id="s", reply_to="rt", payload=b"[1,2]", content_type=protocol.JSON, enqueued_ms=1, stream_id="1-0")
     large = Request(id="l", reply_to="rt", payload=b"x" * 9, content_type=protocol.BYTES, enqueued_ms=2, stream_id="2-0")
     named = Request(id="f", reply_to="rt", payload=None, content_type=protocol.NPY, enqueued_ms=3, stream_id="3-0",
                     payload_shm="a.npy", payload_shm_keep=True)
     unread = Request(id="u", reply_to="rt", payload=None, content_type=protocol.NPY, enqueued_ms=4, stream_id="4-0")
-    fields = protocol.encode_subbatch([small, large, named, unread], "b", carry_bytes=8)
-    assert set(fields) == {"batch", "meta", "c0"}
+    other = Request(id="o", reply_to="rt", payload=b"", content_type=protocol.TEXT, enqueued_ms=5, stream_id="5-0")
+    fields = protocol.encode_subbatch([small, large, named, unread, other], "b", carry_bytes=8)
+    assert set(fields) == {"batch", "meta", "c"} and fields["c"] == b"[1,2]"  # 9 bytes more would pass 8
     decoded = protocol.decode_subbatch(_redis_round_trip(fields))
     assert decoded == [dataclasses.replace(small, carried=True), dataclasses.replace(large, payload=None),
-                       dataclasses.replace(named, carried=True), unread]
+                       dataclasses.replace(named, carried=True), unread, dataclasses.replace(other, carried=True)]
     assert not any(d.inline for d in decoded)
 
 
