@@ -33,7 +33,7 @@ from typing import Any
 
 os.environ.setdefault("PACKRAT_LOG_LEVEL", "WARNING")
 
-from optimizer.calibration import Measured, example_payloads, time_batches  # noqa: E402
+from optimizer.calibration import WARMUP_S, Measured, example_payloads, time_batches  # noqa: E402
 from optimizer.planning.profile import Profile, resolve_profile_path  # noqa: E402
 from optimizer.planning.solving import solve  # noqa: E402
 from packrat_mq.client import Client  # noqa: E402
@@ -74,7 +74,8 @@ def _ordered(config: Configuration) -> Configuration:
                          predicted_latency_ms=config.predicted_latency_ms)
 
 
-def bench_model(url: str, model: str, threads: int, batches: list[int], rounds: int, warmup: int) -> list[dict[str, Any]]:
+def bench_model(url: str, model: str, threads: int, batches: list[int], rounds: int, warmup: int,
+                warmup_s: float = WARMUP_S, measure_s: float = 0.0) -> list[dict[str, Any]]:
     profile = Profile.load(resolve_profile_path(model))
     plans: dict[tuple[int, ...], list[tuple[int, str, Configuration]]] = defaultdict(list)
     for b in batches:
@@ -98,7 +99,8 @@ def bench_model(url: str, model: str, threads: int, batches: list[int], rounds: 
                     continue
                 service.reshare(config)
                 m = Measured(configuration=config, predicted_ms=config.predicted_latency_ms)
-                time_batches(client, model, payloads[b], m, rounds=rounds, warmup=warmup)
+                time_batches(client, model, payloads[b], m, rounds=rounds, warmup=warmup, warmup_s=warmup_s,
+                             measure_s=measure_s)
                 measured[(b, name)] = done[(b, name)] = m
                 print(f"[{model}] B={b:<3} {name:<14} {str(config):<14} p50 {m.p50_ms:8.2f} ms", file=sys.stderr, flush=True)
             client.close()
@@ -171,7 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,2,4,8,16,32")
     ap.add_argument("--threads", type=int, default=None, help="T (default: cores of one socket)")
     ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=2, help="warm-up batches per configuration (at least --warmup-s)")
+    ap.add_argument("--warmup-s", type=float, default=WARMUP_S, help="seconds of warm-up at least (default %(default)s)")
+    ap.add_argument("--measure-s", type=float, default=2.0,
+                    help="seconds of timed batches at least, past --rounds (default %(default)s: a small model's "
+                         "ten batches are tens of milliseconds)")
     ap.add_argument("--json-out", default=str(RESULTS / "configs.json"))
     ap.add_argument("--report", type=Path, default=None,
                     help="print the Markdown table of a finished run's JSON and exit (measures nothing)")
@@ -185,13 +191,15 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     with EmbeddedRedis(announce=False) as server:
         for model in args.models.split(","):
-            rows.extend(bench_model(server.url, model, threads, batches, args.rounds, args.warmup))
+            rows.extend(bench_model(server.url, model, threads, batches, args.rounds, args.warmup, args.warmup_s,
+                                    args.measure_s))
     out = Path(args.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
     errors = [abs(r["prediction_error"]) for r in rows if r["prediction_error"] is not None]
     within = sum(e <= PREDICTION_TARGET for e in errors)
     out.write_text(json.dumps({"benchmark": "configurations", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                               "cpus": os.cpu_count(), "threads": threads, "rounds": args.rounds,
+                               "cpus": os.cpu_count(), "threads": threads, "rounds": args.rounds, "warmup": args.warmup,
+                               "warmup_s": args.warmup_s, "measure_s": args.measure_s,
                                "profiles": profiles_used(args.models.split(",")),
                                "prediction_within_10pct": f"{within} of {len(errors)}",
                                "elapsed_s": time.time() - started, "rows": rows}, indent=2))

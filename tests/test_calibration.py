@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from optimizer.calibration import calibrate, measure_path
+from optimizer.calibration import Measured, calibrate, measure_path, time_batches
 from optimizer.planning.profile import Profile, ProfileEntry
 from optimizer.planning.selection import best_calibrated, candidates, predicted_latency
 from packrat_mq.cli import main
@@ -100,3 +100,42 @@ def test_profile_path_cli_stores_the_cost_in_the_profile(tmp_path: Path) -> None
         str(b): ms for b, ms in stored.items()}
     shown = CliRunner().invoke(main, ["profile", "show", str(path)])
     assert "serving path (ms per batch" in shown.output
+
+
+class _Clocked:
+    """A client whose every batch takes ``batch_s`` of a fake clock and ``batch_s`` of inference."""
+
+    def __init__(self, batch_s: float) -> None:
+        self.now, self.batch_s, self.sent = 0.0, batch_s, 0
+
+    def clock(self) -> float:
+        return self.now
+
+    def time_batch(self, model: str, items: list[bytes], **kw: object) -> tuple[float, list[object]]:
+        from packrat_mq.client import Reply
+        self.now += self.batch_s
+        self.sent += 1
+        ms = self.sent * 1.0  # each batch a different latency, to see which were kept
+        return ms, [Reply(id="x", status="ok", payload=b"1", content_type="application/json", error="",
+                          queue_ms=0.0, inference_ms=self.batch_s * 1000, fields={})]
+
+
+@pytest.mark.parametrize("batch_s, warmed, timed", [(0.008, 63, 250), (1.5, 2, 10)])
+def test_timing_warms_up_and_measures_for_at_least_a_time_whatever_the_rounds(
+    batch_s: float, warmed: int, timed: int
+) -> None:
+    """A 8 ms batch: warm for 0.5 s and time 2 s of batches; a 1.5 s batch: the rounds asked for."""
+    client = _Clocked(batch_s)
+    m = Measured(configuration=Configuration.parse("1x1"), predicted_ms=None)
+    time_batches(client, "m", [(b"1", "application/json")], m, rounds=10, warmup=2,  # type: ignore[arg-type]
+                 warmup_s=0.5, measure_s=2.0, clock=client.clock)
+    assert len(m.latencies_ms) == timed and client.sent == warmed + timed
+    assert m.latencies_ms[0] == warmed + 1  # the first timed batch is the one after the warm-up
+
+
+def test_no_warmup_when_none_is_asked() -> None:
+    client = _Clocked(0.01)
+    m = Measured(configuration=Configuration.parse("1x1"), predicted_ms=None)
+    time_batches(client, "m", [(b"1", "application/json")], m, rounds=3, warmup=0,  # type: ignore[arg-type]
+                 warmup_s=0.0, clock=client.clock)
+    assert m.latencies_ms == [1.0, 2.0, 3.0]
