@@ -40,7 +40,8 @@ assert _BATCHES in InstanceState.COUNTERS
 #: KEYS: fence, instance queue, request stream, wake-up list, instance record.
 #: ARGV: worker group, dispatcher group, queue entry id, instance id, wake-up cap, counter, request ids...
 #: Returns {0} when the fence is set (nothing written), else {1, errors...}: like EXEC, a command that
-#: fails (a consumer group lost to a Redis restart) is reported and the others still run.
+#: fails (a consumer group lost to a Redis restart) is reported and the others still run. The request
+#: ids go a thousand at a time: Lua's unpack stops near 8,000 values, and a sub-batch may be larger.
 _ACK = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return {0} end
 local result = {1}
@@ -50,9 +51,10 @@ local function call(...)
 end
 call('XACK', KEYS[2], ARGV[1], ARGV[3])
 call('XDEL', KEYS[2], ARGV[3])
-if #ARGV > 6 then
-  call('XACK', KEYS[3], ARGV[2], unpack(ARGV, 7))
-  call('XDEL', KEYS[3], unpack(ARGV, 7))
+for i = 7, #ARGV, 1000 do
+  local last = math.min(i + 999, #ARGV)
+  call('XACK', KEYS[3], ARGV[2], unpack(ARGV, i, last))
+  call('XDEL', KEYS[3], unpack(ARGV, i, last))
 end
 call('LPUSH', KEYS[4], ARGV[4])
 call('LTRIM', KEYS[4], 0, tonumber(ARGV[5]) - 1)
