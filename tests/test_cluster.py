@@ -150,8 +150,16 @@ def test_each_model_lives_on_its_own_master_and_every_request_is_answered_once(
     bad = c.send("alpha", b"x", content_type="bad/type")
     (rep,) = c.gather([bad], timeout=30)
     assert not rep.ok and rep.error.startswith("unknown content_type")
-    stats = {k.decode(): int(v) for k, v in rc.hgetall(keys.stats("alpha")).items()}
-    assert stats["requests"] == 21 and stats["replies"] == 21 and stats["rejected"] == 1 and stats["errors"] == 1
+    # On a cluster the reply (another slot) is written before the transaction that counts it,
+    # so the counters catch up just after the reply arrives (docs/decisions.md, "Redis Cluster").
+    want = {"requests": 21, "replies": 21, "rejected": 1, "errors": 1}
+
+    def counted() -> bool:
+        stats = {k.decode(): int(v) for k, v in rc.hgetall(keys.stats("alpha")).items()}
+        assert {k: stats.get(k) for k in want} == want, stats
+        return True
+
+    wait_for(counted, 10, "the refused request counted")
     for m in MODELS:
         assert rc.xlen(keys.requests(m)) == 0
         assert rc.xpending(keys.requests(m), DISPATCHER_GROUP)["pending"] == 0
