@@ -113,7 +113,7 @@ class Dispatcher:
         self._state = "starting"
         self.backoff = Backoff()
         #: Blocking reads that end at their deadline, so partial batches are not polled for.
-        self.waiter = DeadlineRead(r)
+        self.waiter = DeadlineRead(r, self.stream)
         self.reader = RequestReader(r, self.stream, DISPATCHER_GROUP, self.consumer, waiter=self.waiter)
         self.aggregator: Aggregator[Entry] = Aggregator(self._read, poll_interval_ms=settings.batch_poll_ms)
         #: Takes back what the instances of a dead node hold (:mod:`dispatcher.reclaiming`).

@@ -86,7 +86,7 @@ class RequestReader:
         self.r, self.stream, self.group, self.consumer = r, stream, group, consumer
         #: The blocking read for the first entry (:mod:`dispatcher.waiting`): it ends at its deadline once
         #: probed, and is a plain blocking XREADGROUP until then.
-        self.waiter = waiter or DeadlineRead(r)
+        self.waiter = waiter or DeadlineRead(r, stream)
         #: Mean payload size of recent reads (an exponential average over reads).
         self.mean_payload_bytes = 0.0
 

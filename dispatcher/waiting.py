@@ -19,6 +19,13 @@ does nothing. The server's own timeout (the same ``BLOCK ms``) stays as the
 backstop; if the connection was re-established under a new client id, the
 backstop is what ends the read, and the id is read again.
 
+On Redis Cluster the read and its ``UNBLOCK`` go to the master that owns
+the stream's slot (``key``), through that node's own client: a cluster
+client has no one connection pool, and ``CLIENT UNBLOCK`` only reaches a
+client of the same server. A read refused or lost there (a failover moved
+the slot, the node went away) drops the connection and asks the cluster
+client to map the slots again, so the next read goes to the new master.
+
 Where the server does not take ``CLIENT ID`` / ``CLIENT UNBLOCK`` (Redis
 before 5, some proxies), :attr:`precise` is False and callers keep polling.
 """
@@ -29,14 +36,23 @@ from typing import Any
 
 import redis
 
+from packrat_mq.connection import is_cluster
+
 log = logging.getLogger("packrat_mq.dispatcher.waiting")
 
 
 class DeadlineRead:
     """``XREADGROUP GROUP g c COUNT n BLOCK ms STREAMS s >`` that returns within ``ms``."""
 
-    def __init__(self, r: redis.Redis) -> None:
+    def __init__(self, r: redis.Redis, key: str | None = None) -> None:
         self.r = r
+        #: The stream read: on Redis Cluster it names the master to block on (the owner of its slot).
+        self.key = key
+        self._cluster = is_cluster(r)
+        if self._cluster and key is None:
+            raise ValueError("a deadline read on Redis Cluster needs the stream's key")
+        #: The client of the server the read blocks on: ``r`` itself, or on a cluster the slot owner's.
+        self._node: Any = None
         self._conn: Any = None
         self._client_id: int | None = None
         #: Whether reads return at their deadline (False until :meth:`probe` says so: the server's tick
@@ -48,7 +64,7 @@ class DeadlineRead:
         try:
             self._connect()
             # Not blocked, so this unblocks nothing (0): it only asks whether the command exists.
-            self.r.execute_command("CLIENT", "UNBLOCK", self._client_id)
+            self._node.execute_command("CLIENT", "UNBLOCK", self._client_id)
             self.precise = hasattr(self._conn, "can_read")  # _connect already used send_command
         except (redis.ResponseError, AttributeError, NotImplementedError) as exc:
             log.warning("blocking reads end on the server's tick (%s): partial batches are polled every "
@@ -57,9 +73,16 @@ class DeadlineRead:
             self.precise = False
         return self.precise
 
+    def _server(self) -> Any:
+        """The plain client of the server to block on (on a cluster, the stream's master as mapped now)."""
+        if not self._cluster:
+            return self.r
+        return self.r.get_node_from_key(self.key).redis_connection
+
     def _connect(self) -> None:
         if self._conn is None:
-            self._conn = self.r.connection_pool.make_connection()
+            self._node = self._server()
+            self._conn = self._node.connection_pool.make_connection()
             self._client_id = None
         if self._client_id is None:
             self._conn.send_command("CLIENT", "ID")
@@ -69,22 +92,34 @@ class DeadlineRead:
         """The parsed ``XREADGROUP`` reply (as ``redis.Redis.xreadgroup`` gives it), or None at the deadline."""
         if not self.precise:
             return self.r.xreadgroup(group, consumer, {stream: ">"}, count=count, block=block_ms)
+        if self._cluster and stream != self.key:
+            raise ValueError(f"this deadline read blocks on {self.key!r}'s master, not {stream!r}'s")
         try:
             self._connect()
             conn = self._conn
             conn.send_command("XREADGROUP", "GROUP", group, consumer, "COUNT", count, "BLOCK", block_ms,
                               "STREAMS", stream, ">")
             if not conn.can_read(timeout=block_ms / 1000.0):
-                if not self.r.execute_command("CLIENT", "UNBLOCK", self._client_id):
+                if not self._node.execute_command("CLIENT", "UNBLOCK", self._client_id):
                     # Not blocked: either the reply is on its way, or the id is stale (a reconnect);
                     # the server's timeout ends the read then. Read the id again next time.
                     self._client_id = None
             raw = conn.read_response()
-        except BaseException:
+        except BaseException as exc:
             self.close()  # a read half done leaves the connection's state unknown
+            if self._cluster and isinstance(exc, (redis.ResponseError, redis.ConnectionError, redis.TimeoutError)):
+                # MOVED (a failover gave the slot to another master) or the master gone: map the slots
+                # again so the next read finds the stream's master; the caller's loop retries.
+                self._remap()
             raise
-        callback = self.r.response_callbacks.get("XREADGROUP")
+        callback = self._node.response_callbacks.get("XREADGROUP")
         return callback(raw) if callback is not None and raw is not None else raw
+
+    def _remap(self) -> None:
+        try:
+            self.r.nodes_manager.initialize()
+        except redis.RedisError as exc:  # the cluster is failing over: the caller's next command maps again
+            log.debug("could not map the cluster's slots again: %s", exc)
 
     def close(self) -> None:
         if self._conn is not None:
@@ -92,4 +127,4 @@ class DeadlineRead:
                 self._conn.disconnect()
             except Exception:  # noqa: BLE001 - closing a broken connection
                 pass
-        self._conn, self._client_id = None, None
+        self._conn, self._client_id, self._node = None, None, None

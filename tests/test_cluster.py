@@ -165,6 +165,52 @@ def test_each_model_lives_on_its_own_master_and_every_request_is_answered_once(
         assert rc.xpending(keys.requests(m), DISPATCHER_GROUP)["pending"] == 0
 
 
+def test_deadline_reads_block_on_the_streams_master_and_follow_it_through_a_failover(
+        cluster: LocalCluster, rc: redis.Redis, cluster_settings: Settings) -> None:
+    """The dispatcher's blocking read ends at its deadline on a cluster too, not on the server's tick.
+
+    Without it a partial batch is polled (every ``batch_poll_ms``), which
+    takes CPU from the instances; the read and its ``CLIENT UNBLOCK`` must
+    reach the one master that owns the stream's slot.
+    """
+    stream = cluster_settings.keys.requests("alpha")
+    ensure_group(rc, stream, DISPATCHER_GROUP)
+    d = Dispatcher(connect(cluster.url), cluster_settings, "alpha")
+    try:
+        d.setup()
+        assert d.waiter.precise and d.aggregator.server_tick_ms == 0.0
+        w = d.waiter
+        for block_ms in (5, 30):
+            t0 = time.monotonic()
+            assert w.read(DISPATCHER_GROUP, "c", stream, 1, block_ms) is None
+            elapsed = (time.monotonic() - t0) * 1000
+            # The server alone ends BLOCK 5 on its next cron tick (hz 10: 90-101 ms).
+            assert block_ms <= elapsed + 1 and elapsed < block_ms + 60, elapsed
+        threading.Timer(0.02, lambda: rc.xadd(stream, {"x": "1"})).start()
+        resp = w.read(DISPATCHER_GROUP, "c", stream, 1, 5000)
+        assert resp is not None and resp[0][1][0][1] == {b"x": b"1"}
+        # The stream's master hands its slots to its replica: the next reads reach the new master.
+        old = cluster.master_of(stream)
+        cluster.failover(cluster.replica_of(old))
+        assert cluster.master_of(stream) != old
+
+        def reads_again() -> bool:
+            rc.xadd(stream, {"x": "2"})
+            got = w.read(DISPATCHER_GROUP, "c", stream, 1, 200)
+            return got is not None and got[0][1][0][1] == {b"x": b"2"}
+
+        wait_for(reads_again, 30, "a deadline read on the new master")
+        assert w._node is not None and w._node.connection_pool.connection_kwargs["port"] == cluster.master_of(stream)
+        t0 = time.monotonic()
+        while w.read(DISPATCHER_GROUP, "c", stream, 10, 5) is not None:  # what the retries left
+            pass
+        assert (time.monotonic() - t0) < 5
+    finally:
+        d.close()
+        d.r.close()
+        rc.delete(stream)
+
+
 def test_the_sweep_scans_every_master_and_names_the_tagged_stream(
         rc: redis.Redis, cluster_settings: Settings, service: None) -> None:
     keys = cluster_settings.keys
