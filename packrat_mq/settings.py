@@ -82,6 +82,14 @@ class Settings(BaseSettings):
     kmp_blocktime_ms: int | None = Field(
         default=None, ge=0, description="KMP_BLOCKTIME of every instance (Intel OpenMP: ms before sleeping)."
     )
+    malloc_retain_mb: int = Field(
+        default=256, ge=0,
+        description="glibc malloc of every instance keeps up to this many MiB of freed memory for reuse "
+                    "(M_TRIM_THRESHOLD) and takes blocks up to 32 MiB from its heap (M_MMAP_THRESHOLD), so "
+                    "batch-sized buffers (payloads, inputs, activations) are not handed back to the OS and "
+                    "faulted in again every batch; 0 keeps glibc's own policy. A GLIBC_TUNABLES of the "
+                    "operator's own wins for the names it sets.",
+    )
     max_backlog: int = Field(
         default=100_000,
         ge=1,

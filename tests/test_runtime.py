@@ -37,6 +37,52 @@ def test_instance_env_keeps_model_loading_offline_unless_told_otherwise() -> Non
     assert env["TRANSFORMERS_OFFLINE"] == "1"
 
 
+def test_instances_keep_their_freed_batch_buffers_unless_told_otherwise() -> None:
+    from packrat_mq.settings import Settings
+
+    env = instance_env(2, Settings(), base={"PATH": "/bin"})
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=268435456"
+    # The operator's own tunables stay, and win for the names they set.
+    theirs = instance_env(2, Settings(malloc_retain_mb=64),
+                          base={"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1:glibc.malloc.arena_max=2"})
+    assert theirs["GLIBC_TUNABLES"] == ("glibc.malloc.trim_threshold=1:glibc.malloc.arena_max=2:"
+                                        "glibc.malloc.mmap_threshold=33554432")
+    assert "GLIBC_TUNABLES" not in instance_env(2, Settings(malloc_retain_mb=0), base={})
+    assert "GLIBC_TUNABLES" not in instance_env(2, base={})  # no settings: glibc's own policy
+    with pytest.raises(ValueError):
+        Settings(malloc_retain_mb=-1)
+
+
+_MALLINFO = """
+import ctypes, json
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+before = libc.mallinfo2().hblks
+bufs = [bytearray(602240) for _ in range(8)]  # a sub-batch of ImageNet .npy payloads
+mapped = libc.mallinfo2().hblks - before
+del bufs
+print(json.dumps({"mapped": mapped, "kept_free": libc.mallinfo2().fordblks}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None,
+                    reason="glibc's malloc")
+def test_the_tunables_take_batch_sized_buffers_from_the_heap_and_keep_them() -> None:
+    from packrat_mq.settings import Settings
+
+    def child(settings: Settings | None) -> dict:
+        env = instance_env(1, settings)
+        out = subprocess.run([sys.executable, "-c", _MALLINFO], env=env, capture_output=True, text=True, check=True)
+        return json.loads(out.stdout)
+
+    plain, tuned = child(None), child(Settings())
+    assert plain["mapped"] >= 1  # mapped on their own (8 in a fresh interpreter), and unmapped at free
+    assert tuned["mapped"] == 0 and tuned["kept_free"] >= 8 * 602240  # from the heap, and kept when freed
+
+
 def _run_child(code: str, spec: dict, threads: int = 1) -> str:
     """Start ``python -c code`` the way instances start: spec on stdin, thread env set."""
     proc = subprocess.Popen([sys.executable, "-c", code], env=instance_env(threads), stdin=subprocess.PIPE,
