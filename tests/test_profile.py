@@ -20,6 +20,7 @@ from optimizer.planning.profile import (
     Profile,
     ProfileEntry,
     ProfileError,
+    _cpu_design,
     _machine_topology,
     as_table,
     profile_filename,
@@ -361,6 +362,54 @@ def test_machine_differences_compare_cpu_and_cores_per_socket_only():
     # Unknown on either side is no difference.
     assert xeon.differences(MachineInfo()) == [] and MachineInfo().differences(xeon) == []
     assert MachineInfo(physical_cores=4).cores_per_socket is None
+
+
+_MILAN = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 1
+model name\t: AMD EPYC
+stepping\t: 1
+flags\t\t: fpu sse2 avx fma avx2 sha_ni
+
+processor\t: 1
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 17
+flags\t\t: avx2 avx512f
+"""
+
+_GRAVITON = """processor\t: 0
+BogoMIPS\t: 243.75
+Features\t: fp asimd sve asimddp bf16 i8mm
+CPU implementer\t: 0x41
+CPU architecture: 8
+CPU variant\t: 0x1
+CPU part\t: 0xd40
+"""
+
+
+def test_the_cpus_design_and_vector_extensions_are_read_from_its_first_processor():
+    assert _cpu_design(_MILAN) == ("AuthenticAMD family 25 model 1 stepping 1", ("avx2",))
+    assert _cpu_design(_GRAVITON) == ("ARM implementer 0x41 part 0xd40 variant 0x1", ("sve", "asimddp", "bf16", "i8mm"))
+    assert _cpu_design("") == (None, None)
+
+
+def test_two_cpus_of_one_name_differ_by_design_and_vector_extensions(tmp_path):
+    milan = MachineInfo(cpu_model="AMD EPYC", cpu_id="AuthenticAMD family 25 model 1 stepping 1", cpu_isa=("avx2",))
+    genoa = MachineInfo(cpu_model="AMD EPYC", cpu_id="AuthenticAMD family 25 model 17 stepping 1",
+                        cpu_isa=("avx2", "avx512f", "avx512_bf16"))
+    assert genoa.differences(milan) == [
+        "CPU design 'AuthenticAMD family 25 model 17 stepping 1' vs 'AuthenticAMD family 25 model 1 stepping 1'",
+        "vector extensions avx512_bf16 only in the profile, avx512f only in the profile"]
+    assert milan.differences(genoa)[1] == "vector extensions avx512_bf16 only here, avx512f only here"
+    assert milan.differences(milan.model_copy(update={"hostname": "other"})) == []
+    # A profile that does not know its CPU's design (made before it was recorded) differs in nothing of it.
+    assert MachineInfo(cpu_model="AMD EPYC").differences(milan) == []
+    # Kept in the profile file.
+    entries = [ProfileEntry(threads=1, batch=1, mean_ms=2.0)]
+    loaded = Profile.load(Profile(model="toy", machine=genoa, entries=entries).save(tmp_path / "p.json"))
+    assert loaded.machine == genoa
 
 
 def test_show_says_placement_and_whether_the_machine_is_this_one(tmp_path):

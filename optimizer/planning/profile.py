@@ -83,6 +83,12 @@ class MachineInfo(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
 
     cpu_model: str | None = None
+    #: Which CPU design, beyond its name: x86 vendor, family, model and stepping, or an ARM core's
+    #: implementer and part. A cloud VM's "AMD EPYC" names Zen 2 to Zen 5 alike.
+    cpu_id: str | None = None
+    #: The vector extensions that torch's CPU kernels choose between (AVX2, AVX-512 and its VNNI and
+    #: BF16, AMX; SVE, dot product, BF16 on ARM), as the kernel lists them.
+    cpu_isa: tuple[str, ...] | None = None
     sockets: int | None = Field(default=None, ge=1)
     physical_cores: int | None = Field(default=None, ge=1)
     logical_cpus: int | None = Field(default=None, ge=1)
@@ -107,8 +113,11 @@ class MachineInfo(BaseModel):
             torch_version: str | None = importlib.metadata.version("torch")
         except importlib.metadata.PackageNotFoundError:
             torch_version = None
+        cpu_id, cpu_isa = _cpu_design()
         return cls(
             cpu_model=_cpu_model(),
+            cpu_id=cpu_id,
+            cpu_isa=cpu_isa,
             sockets=sockets,
             physical_cores=physical,
             logical_cpus=os.cpu_count(),
@@ -125,15 +134,26 @@ class MachineInfo(BaseModel):
         return -(-self.physical_cores // self.sockets)
 
     def differences(self, other: MachineInfo) -> list[str]:
-        """How ``other`` differs from this machine in what a profile depends on: CPU model, cores per socket.
+        """How ``other`` differs from this machine in what a profile depends on.
 
-        A field unknown on either side (a CSV import knows none) is no
-        difference. Host names, dates and torch versions are not compared:
-        a profile moved to an identical machine is still its profile.
+        The CPU (its model name, its design, its vector extensions) and the
+        cores per socket. A field unknown on either side (a CSV import knows
+        none, profiles before 2026-12-02 no design) is no difference. Host
+        names, dates and torch versions are not compared: a profile moved to
+        an identical machine is still its profile. The name alone is not
+        enough: two VMs both called "AMD EPYC", one with AVX-512 and one
+        without, ran ResNet-50 at B=1 on two threads in 43 and 120-140 ms.
         """
         out = []
         if self.cpu_model and other.cpu_model and self.cpu_model != other.cpu_model:
             out.append(f"CPU {self.cpu_model!r} vs {other.cpu_model!r}")
+        elif self.cpu_id and other.cpu_id and self.cpu_id != other.cpu_id:
+            out.append(f"CPU design {self.cpu_id!r} vs {other.cpu_id!r}")
+        if self.cpu_isa is not None and other.cpu_isa is not None and set(self.cpu_isa) != set(other.cpu_isa):
+            only_mine = sorted(set(self.cpu_isa) - set(other.cpu_isa))
+            only_theirs = sorted(set(other.cpu_isa) - set(self.cpu_isa))
+            out.append("vector extensions " + ", ".join([f"{x} only in the profile" for x in only_mine]
+                                                        + [f"{x} only here" for x in only_theirs]))
         mine, theirs = self.cores_per_socket, other.cores_per_socket
         if mine and theirs and mine != theirs:
             out.append(f"{mine} vs {theirs} cores per socket")
@@ -141,7 +161,7 @@ class MachineInfo(BaseModel):
 
     def summary(self) -> str:
         """One line for humans, e.g. ``Intel Xeon ... 2 sockets, 32 cores, 64 CPUs``."""
-        parts = [self.cpu_model or "unknown CPU"]
+        parts = [(self.cpu_model or "unknown CPU") + (f" ({' '.join(self.cpu_isa)})" if self.cpu_isa else "")]
         if self.sockets:
             parts.append(f"{self.sockets} socket{'s' if self.sockets > 1 else ''}")
         if self.physical_cores:
@@ -166,6 +186,43 @@ def _cpu_model() -> str | None:
         if sep and key.strip() in ("model name", "Model") and value.strip():
             return value.strip()
     return None
+
+
+#: Vector extensions from /proc/cpuinfo's flags (x86) or Features (ARM) that change which kernels torch runs.
+CPU_ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
+                 "amx_int8", "sve", "sve2", "asimddp", "bf16", "i8mm")
+
+
+def _cpu_design(text: str | None = None) -> tuple[str | None, tuple[str, ...] | None]:
+    """(the CPU's design, its vector extensions) from the first processor of /proc/cpuinfo; None if unknown.
+
+    x86: ``"AuthenticAMD family 25 model 1 stepping 1"``; ARM: ``"ARM implementer 0x41 part 0xd0c
+    variant 0x3"``.
+    """
+    if text is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None, None
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            if fields:
+                break  # the first processor's block is enough
+            continue
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    design: str | None = None
+    if "cpu family" in fields and "model" in fields:
+        design = (f"{fields.get('vendor_id', 'x86')} family {fields['cpu family']} model {fields['model']}"
+                  + (f" stepping {fields['stepping']}" if fields.get("stepping") else ""))
+    elif "CPU implementer" in fields and "CPU part" in fields:
+        design = (f"ARM implementer {fields['CPU implementer']} part {fields['CPU part']}"
+                  + (f" variant {fields['CPU variant']}" if fields.get("CPU variant") else ""))
+    listed = fields.get("flags", fields.get("Features"))
+    isa = tuple(flag for flag in CPU_ISA_FLAGS if flag in set(listed.split())) if listed is not None else None
+    return design, isa
 
 
 def _machine_topology(root: str | os.PathLike[str] = DEFAULT_SYSFS_CPU) -> Topology | None:

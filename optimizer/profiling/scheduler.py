@@ -323,7 +323,7 @@ def _load_for_resume(path: Path, options: ProfilingOptions, fresh: bool) -> Prof
         )
     old = profile.machine
     if old is not None and profile.entries:
-        for name in ("hostname", "cpu_model"):
+        for name in ("hostname", "cpu_model", "cpu_id"):
             a, b = getattr(old, name), getattr(machine, name)
             if a and b and a != b:
                 raise ProfilingError(

@@ -156,7 +156,10 @@ def _describe(prof: Profile, path: Path, here: MachineInfo) -> str:
         machine = prof.machine.summary() + (
             f"\n  NOT this machine: {'; '.join(differences)} (profile vs this machine)"
             f"\n  profile this one: {quick_profile_command(prof.model, path, mode=prof.mode)}"
-            if differences else "\n  matches this machine (CPU model, cores per socket)"
+            if differences else "\n  matches this machine (" + (
+                "CPU model, design and vector extensions, cores per socket)" if prof.machine.cpu_id
+                else "CPU model and cores per socket; the profile does not record the CPU's design, so a "
+                     "machine of the same name may still differ)")
         )
     copies = sorted({e.copies for e in prof.entries if e.copies})
     placement = {
