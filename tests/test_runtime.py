@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 
@@ -68,8 +69,7 @@ print(json.dumps({"mapped": mapped, "kept_free": libc.mallinfo2().fordblks}))
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None,
-                    reason="glibc's malloc")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc")
 def test_the_tunables_take_batch_sized_buffers_from_the_heap_and_keep_them() -> None:
     from packrat_mq.settings import Settings
 
