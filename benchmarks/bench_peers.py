@@ -18,6 +18,8 @@ Setups, with T the CPUs this process may run on (``os.sched_getaffinity``):
 - ``torchserve-b1``: TorchServe, 1 worker x T threads, B=1;
 - ``packrat-b1``: ``packrat-mq up --graph torchscript --instances Tx1``, no batch wait;
 - ``packrat-b1-shm``: ``packrat-b1`` with the images in shared memory;
+- ``packrat-b1-glibc``: ``packrat-b1`` with glibc's own malloc policy in the instances
+  (``PACKRAT_MALLOC_RETAIN_MB=0``), the A/B of that setting;
 - ``packrat-reserved`` (T ≥ 2): ``packrat-mq up --graph torchscript --threads T-1 --batch B``: the
   optimizer's choice on one core fewer, that core left to Redis, the dispatcher and the clients.
 
@@ -76,6 +78,8 @@ class Setup:
     note: str = ""
     #: Clients put the images in shared memory (payload_shm) instead of Redis: producers on the serving host.
     shm: bool = False
+    #: Settings of the packrat-mq processes, as environment variables (``PACKRAT_...``): an A/B of one setting.
+    env: tuple[tuple[str, str], ...] = ()
 
     def label(self, markdown: bool = False) -> str:
         wait = f"{self.wait_ms:g} ms wait" if self.wait_ms else "no wait"
@@ -105,6 +109,9 @@ def make_setups(threads: int, batch: int, wait_ms: float) -> list[Setup]:
         Setup("packrat-b1", "packrat", t, 1, 0.0, ("--instances", f"{t}x1"), "torchserve-b1"),
         Setup("packrat-b1-shm", "packrat", t, 1, 0.0, ("--instances", f"{t}x1"), "torchserve-b1",
               "images in shared memory", shm=True),
+        # packrat-b1 with glibc's own malloc policy in the instances (malloc_retain_mb 0): the setting's A/B.
+        Setup("packrat-b1-glibc", "packrat", t, 1, 0.0, ("--instances", f"{t}x1"), "torchserve-b1",
+              "PACKRAT_MALLOC_RETAIN_MB=0", env=(("PACKRAT_MALLOC_RETAIN_MB", "0"),)),
     ] + ([
         # Issue 8's question for small machines: does a core kept from the instances, for Redis, the
         # dispatcher and the clients (unpinned, so the scheduler puts them there), pay?
@@ -153,7 +160,8 @@ def run_setup(setup: Setup, round_no: int, args: argparse.Namespace, workdir: Pa
         server = TorchServe(args.peers_venv, stores[(setup.batch, setup.wait_ms)], rundir, model=MODEL,
                             threads=setup.threads)
     else:
-        server = PackratUp(rundir, model=MODEL, args=list(setup.args), batch_timeout_ms=setup.wait_ms, shm=setup.shm)
+        server = PackratUp(rundir, model=MODEL, args=list(setup.args), batch_timeout_ms=setup.wait_ms, shm=setup.shm,
+                           extra_env=dict(setup.env))
     row: dict[str, Any] = {"round": round_no, "setup": setup.key, "label": setup.label()}
     started = time.monotonic()
     with server as target:

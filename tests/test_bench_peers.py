@@ -24,8 +24,11 @@ def test_ratios_pair_each_packrat_setup_with_its_torchserve_peer_within_a_round(
     assert [(s.key, s.peer) for s in setups] == [
         ("torchserve", None), ("packrat-layout", "torchserve"), ("packrat-auto", "torchserve"),
         ("packrat-adaptive", "torchserve"), ("packrat-auto-shm", "torchserve"), ("torchserve-b1", None),
-        ("packrat-b1", "torchserve-b1"), ("packrat-b1-shm", "torchserve-b1"), ("packrat-reserved", "torchserve")]
-    assert setups[8].args == ("--threads", "1", "--batch", "8")
+        ("packrat-b1", "torchserve-b1"), ("packrat-b1-shm", "torchserve-b1"), ("packrat-b1-glibc", "torchserve-b1"),
+        ("packrat-reserved", "torchserve")]
+    assert setups[9].args == ("--threads", "1", "--batch", "8")
+    # The malloc A/B is packrat-b1 with one setting of its processes changed.
+    assert (setups[8].args, dict(setups[8].env), setups[6].env) == (setups[6].args, {"PACKRAT_MALLOC_RETAIN_MB": "0"}, ())
     # The shm setups are their plain twins with the clients' images in shared memory.
     assert (setups[4].args, setups[4].shm, setups[2].shm) == (setups[2].args, True, False)
     assert (setups[7].args, setups[7].shm) == (setups[6].args, True)
