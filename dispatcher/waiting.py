@@ -35,6 +35,7 @@ import logging
 from typing import Any
 
 import redis
+from redis.exceptions import AskError  # and MovedError, its subclass
 
 from packrat_mq.connection import is_cluster
 
@@ -107,7 +108,8 @@ class DeadlineRead:
             raw = conn.read_response()
         except BaseException as exc:
             self.close()  # a read half done leaves the connection's state unknown
-            if self._cluster and isinstance(exc, (redis.ResponseError, redis.ConnectionError, redis.TimeoutError)):
+            if self._cluster and (isinstance(exc, (AskError, redis.ConnectionError, redis.TimeoutError))
+                                  or (isinstance(exc, redis.ResponseError) and str(exc).startswith("UNBLOCKED"))):
                 # MOVED (a failover gave the slot to another master) or the master gone: map the slots
                 # again so the next read finds the stream's master; the caller's loop retries.
                 self._remap()

@@ -141,8 +141,8 @@ class MachineInfo(BaseModel):
         none, profiles before 2026-12-02 no design) is no difference. Host
         names, dates and torch versions are not compared: a profile moved to
         an identical machine is still its profile. The name alone is not
-        enough: two VMs both called "AMD EPYC", one with AVX-512 and one
-        without, ran ResNet-50 at B=1 on two threads in 43 and 120-140 ms.
+        enough: two VMs both called "AMD EPYC" ran ResNet-50 at B=1 on two
+        threads in 42.6 and 120.7 ms (their profiles of 2026-12-02).
         """
         out = []
         if self.cpu_model and other.cpu_model and self.cpu_model != other.cpu_model:
