@@ -113,9 +113,10 @@ class MachineInfo(BaseModel):
             torch_version: str | None = importlib.metadata.version("torch")
         except importlib.metadata.PackageNotFoundError:
             torch_version = None
-        cpu_id, cpu_isa = _cpu_design()
+        cpuinfo = _cpuinfo()
+        cpu_id, cpu_isa = _cpu_design(cpuinfo)
         return cls(
-            cpu_model=_cpu_model(),
+            cpu_model=_cpu_model(cpuinfo),
             cpu_id=cpu_id,
             cpu_isa=cpu_isa,
             sockets=sockets,
@@ -175,11 +176,17 @@ class MachineInfo(BaseModel):
         return ", ".join(parts)
 
 
-def _cpu_model() -> str | None:
-    """The CPU's model name from /proc/cpuinfo ("model name", or "Model" on ARM); None if unknown."""
+def _cpuinfo() -> str | None:
+    """/proc/cpuinfo, read once for the model name and the design; None where there is none."""
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        return Path("/proc/cpuinfo").read_text()
     except OSError:
+        return None
+
+
+def _cpu_model(text: str | None) -> str | None:
+    """The CPU's model name from /proc/cpuinfo's ``text`` ("model name", or "Model" on ARM); None if unknown."""
+    if text is None:
         return None
     for line in text.splitlines():
         key, sep, value = line.partition(":")
@@ -193,17 +200,14 @@ CPU_ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16",
                  "amx_int8", "sve", "sve2", "asimddp", "bf16", "i8mm")
 
 
-def _cpu_design(text: str | None = None) -> tuple[str | None, tuple[str, ...] | None]:
-    """(the CPU's design, its vector extensions) from the first processor of /proc/cpuinfo; None if unknown.
+def _cpu_design(text: str | None) -> tuple[str | None, tuple[str, ...] | None]:
+    """(the CPU's design, its vector extensions) from the first processor of /proc/cpuinfo's ``text``; None if unknown.
 
     x86: ``"AuthenticAMD family 25 model 1 stepping 1"``; ARM: ``"ARM implementer 0x41 part 0xd0c
     variant 0x3"``.
     """
     if text is None:
-        try:
-            text = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return None, None
+        return None, None
     fields: dict[str, str] = {}
     for line in text.splitlines():
         if not line.strip():
