@@ -153,14 +153,15 @@ def _describe(prof: Profile, path: Path, here: MachineInfo) -> str:
         machine = "unknown machine (cannot tell whether it is this one)"
     else:
         differences = prof.machine.differences(here)
-        machine = prof.machine.summary() + (
-            f"\n  NOT this machine: {'; '.join(differences)} (profile vs this machine)"
-            f"\n  profile this one: {quick_profile_command(prof.model, path, mode=prof.mode)}"
-            if differences else "\n  matches this machine (" + (
-                "CPU model, design and vector extensions, cores per socket)" if prof.machine.cpu_id
-                else "CPU model and cores per socket; the profile does not record the CPU's design, so a "
-                     "machine of the same name may still differ)")
-        )
+        if differences:
+            verdict = (f"NOT this machine: {'; '.join(differences)} (profile vs this machine)"
+                       f"\n  profile this one: {quick_profile_command(prof.model, path, mode=prof.mode)}")
+        elif prof.machine.cpu_id:
+            verdict = "matches this machine (CPU model, design and vector extensions, cores per socket)"
+        else:
+            verdict = ("matches this machine (CPU model and cores per socket; the profile does not record the "
+                       "CPU's design, so a machine of the same name may still differ)")
+        machine = f"{prof.machine.summary()}\n  {verdict}"
     copies = sorted({e.copies for e in prof.entries if e.copies})
     placement = {
         "co-located": "co-located: each point timed beside copies of itself filling the socket's cores, "
