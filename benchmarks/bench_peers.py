@@ -57,6 +57,7 @@ import psutil
 from benchmarks.peers.archive import build_store
 from benchmarks.peers.load import closed_loop, npy_image
 from benchmarks.peers.servers import PackratUp, TorchServe
+from optimizer.planning.profile import MachineInfo
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -121,16 +122,6 @@ def make_setups(threads: int, batch: int, wait_ms: float) -> list[Setup]:
 
 
 # --- machine and versions ---------------------------------------------------
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def machine_info(venv: Path) -> dict[str, Any]:
     peers = subprocess.run(
         [str(venv / "bin" / "python"), "-c",
@@ -138,8 +129,12 @@ def machine_info(venv: Path) -> dict[str, Any]:
          "print(json.dumps({p: m.version(p) for p in ('torch', 'torchserve', 'torch-model-archiver', 'numpy')}))"],
         capture_output=True, text=True, check=True)
     java = subprocess.run(["java", "-version"], capture_output=True, text=True)
+    here = MachineInfo.current()
     return {
-        "cpu": _cpu_model(),
+        # The same reading a profile records, so a run and a profile can be matched by CPU design.
+        "cpu": here.cpu_model or platform.processor() or "unknown",
+        "cpu_id": here.cpu_id,
+        "cpu_isa": list(here.cpu_isa) if here.cpu_isa is not None else None,
         "usable_cpus": len(os.sched_getaffinity(0)),
         "cpus": os.cpu_count(),
         "platform": platform.platform(),

@@ -427,3 +427,18 @@ def test_cli_quick_profiles_the_optimizers_grid_with_the_quick_schedule(tmp_path
     assert logged["min_iters"] == 4 and logged["warmup"] == QUICK_SCHEDULE["warmup"]
     assert logged["placement"] == "isolated" and Profile.load(other).placement == "isolated"
     assert {e.copies for e in Profile.load(other).entries} == {1}
+
+
+def test_resume_refuses_other_vector_extensions(tmp_path: Path) -> None:
+    """Same host, name and design, other vector extensions (a VM that hides AVX-512): other kernels."""
+    out = tmp_path / "echo.json"
+    profile_model(_quick("echo", max_iters=5), out, progress=False)
+    profile = Profile.load(out)
+    assert profile.machine is not None
+    here = set(profile.machine.cpu_isa or ())
+    other = tuple(sorted(here ^ {"avx512f"}))
+    profile.machine = profile.machine.model_copy(update={"cpu_isa": other})
+    profile.save(out)
+    with pytest.raises(ProfilingError, match="another machine.*vector extensions.*--fresh"):
+        profile_model(_quick("echo", batches=[1, 2, 4], max_iters=5), out, progress=False)
+    assert len(Profile.load(out).entries) == 2  # nothing was added to the other machine's points

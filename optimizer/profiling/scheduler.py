@@ -323,13 +323,17 @@ def _load_for_resume(path: Path, options: ProfilingOptions, fresh: bool) -> Prof
         )
     old = profile.machine
     if old is not None and profile.entries:
-        for name in ("hostname", "cpu_model", "cpu_id"):
-            a, b = getattr(old, name), getattr(machine, name)
-            if a and b and a != b:
-                raise ProfilingError(
-                    f"{path} was measured on {name} {a!r}, this is {b!r}; points from two machines "
-                    f"would not make one profile: choose another -o, or --fresh to overwrite it"
-                )
+        # The host name, and then everything `up` compares (the CPU's name, design and vector
+        # extensions, the cores per socket): a VM that hides AVX-512 behind the same family and
+        # model runs other kernels, and its points would not be the profile's.
+        found = [f"hostname {old.hostname!r}, this is {machine.hostname!r}"] if (
+            old.hostname and machine.hostname and old.hostname != machine.hostname) else []
+        found += old.differences(machine)
+        if found:
+            raise ProfilingError(
+                f"{path} was measured on another machine ({'; '.join(found)}); points from two machines "
+                f"would not make one profile: choose another -o, or --fresh to overwrite it"
+            )
     if profile.machine is None:
         profile.machine = machine
     return profile
