@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install demo test test-fast bench bench-peers clean
+.PHONY: install demo test test-fast bench bench-peers bench-peers-lone clean
 
 install: $(STAMP)
 
@@ -42,6 +42,10 @@ $(PEERS_STAMP): benchmarks/peers/constraints.txt
 
 bench-peers: install $(PEERS_STAMP)
 	$(PY) -m benchmarks.bench_peers $(ARGS)
+
+# One request at a time, both servers up at once and requests alternating between them.
+bench-peers-lone: install $(PEERS_STAMP)
+	$(PY) -m benchmarks.bench_peers_lone $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(PEERS_VENV) build *.egg-info
