@@ -435,7 +435,9 @@ def test_resume_refuses_other_vector_extensions(tmp_path: Path) -> None:
     profile_model(_quick("echo", max_iters=5), out, progress=False)
     profile = Profile.load(out)
     assert profile.machine is not None
-    here = set(profile.machine.cpu_isa or ())
+    if profile.machine.cpu_isa is None:
+        pytest.skip("this machine's vector extensions are unknown: nothing to differ")
+    here = set(profile.machine.cpu_isa)
     other = tuple(sorted(here ^ {"avx512f"}))
     profile.machine = profile.machine.model_copy(update={"cpu_isa": other})
     profile.save(out)
