@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import orjson
 
 from packrat_mq import shared_payloads
 from packrat_mq.keys import Keys
@@ -328,9 +329,20 @@ def decode_payload(content_type: str, payload: bytes) -> Any:
 
 
 def _decode_json(payload: bytes) -> Any:
+    """JSON with orjson (4x the standard library's speed); what it refuses, the standard library decides.
+
+    orjson takes strict JSON of 64-bit integers; the standard library also
+    takes ``NaN`` and ``Infinity`` and integers of any size, so anything
+    orjson refuses is tried there: what is accepted does not change, and an
+    invalid payload gets the standard library's error, which says where.
+    """
+    try:
+        return orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        pass
     # Decode as UTF-8 first: json.loads(bytes) guesses UTF-16/32 from the
     # first bytes and then reports a misleading 'utf-16-le' error.
-    text = payload.decode("utf-8")
+    text = bytes(payload).decode("utf-8")
     return json.loads(text)
 
 
@@ -429,7 +441,20 @@ def encode_as(content_type: str, value: Any) -> bytes:
 
 
 def _json_bytes(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":"), default=_json_default).encode("utf-8")
+    """Compact JSON of ``value``: orjson, or the standard library for what orjson cannot encode.
+
+    Replies are JSON, and the standard library formats a float in about
+    0.4 us: 4.9 ms for a batch of 32 MiniLM embeddings (384 floats each),
+    all of it between the handler's end and the replies' transaction, against
+    0.3 ms with orjson (docs/decisions.md). orjson writes the same shortest
+    round-trip digits; it writes a non-finite float as ``null`` (strict JSON
+    has no ``NaN``), and it refuses integers past 64 bits, which go to the
+    standard library as before.
+    """
+    try:
+        return orjson.dumps(value, default=_json_default, option=orjson.OPT_NON_STR_KEYS)
+    except orjson.JSONEncodeError:
+        return json.dumps(value, separators=(",", ":"), default=_json_default).encode("utf-8")
 
 
 def _json_default(value: Any) -> Any:
@@ -479,7 +504,7 @@ def encode_subbatch(requests: list[Request], batch_id: str, *, carry_bytes: int 
             carried.append(r.payload)
             budget -= len(r.payload)
         meta.append(m)
-    fields: dict[str, Any] = {"batch": batch_id, "meta": json.dumps(meta, separators=(",", ":"))}
+    fields: dict[str, Any] = {"batch": batch_id, "meta": _json_bytes(meta)}
     if carried:
         fields["c"] = b"".join(carried)
     return fields
@@ -494,7 +519,7 @@ def decode_subbatch(fields: dict[bytes, bytes]) -> list[Request]:
     ``p0``, ``p1``, ...; those are used as they are, so a queue filled by an
     older dispatcher is still served.
     """
-    meta = json.loads(fields[b"meta"])
+    meta = _decode_json(fields[b"meta"])
     blob, offset = fields.get(b"c", b""), 0
     requests = []
     for i, m in enumerate(meta):

@@ -287,6 +287,33 @@ def test_encode_plain_json(value: object) -> None:
     assert protocol.decode_payload(ct, payload) == value
 
 
+def test_encoded_floats_are_the_standard_librarys_values() -> None:
+    """orjson writes replies: every float must read back as the value json.dumps would have sent."""
+    rng = np.random.default_rng(0)
+    rows = (rng.standard_normal((8, 384)) * 10.0 ** rng.integers(-30, 30, (8, 384))).astype(np.float32).tolist()
+    value = {"embeddings": rows, "tiny": 5e-324, "big": 1.7976931348623157e308, "neg_zero": -0.0}
+    payload, ct = protocol.encode_payload(value)
+    assert ct == protocol.JSON
+    assert json.loads(payload) == json.loads(json.dumps(value))
+    assert protocol.decode_payload(ct, payload) == value
+
+
+def test_json_past_what_orjson_takes_goes_to_the_standard_library() -> None:
+    """Integers past 64 bits both ways, and NaN in a request: accepted as they were before orjson."""
+    huge = {"n": 2**70, "m": -(2**65)}
+    payload, ct = protocol.encode_payload(huge)
+    assert protocol.decode_payload(ct, payload) == huge
+    assert protocol.decode_payload(protocol.JSON, b"[2361183241434822606848]") == [2**71]
+    decoded = protocol.decode_payload(protocol.JSON, b'{"x": NaN, "y": Infinity}')
+    assert np.isnan(decoded["x"]) and decoded["y"] == float("inf")
+
+
+def test_non_finite_floats_are_sent_as_null() -> None:
+    """Strict JSON has no NaN: a reply holding one says null, which every JSON parser reads (docs/protocol.md)."""
+    payload, _ = protocol.encode_payload([float("nan"), float("inf"), 1.5])
+    assert payload == b"[null,null,1.5]"
+
+
 def test_encode_numpy_scalar_alone() -> None:
     payload, ct = protocol.encode_payload(np.int16(-3))
     assert (ct, json.loads(payload)) == (protocol.JSON, -3)
