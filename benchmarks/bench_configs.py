@@ -31,6 +31,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 os.environ.setdefault("PACKRAT_LOG_LEVEL", "WARNING")
 
 from optimizer.calibration import WARMUP_S, Measured, example_payloads, time_batches  # noqa: E402
@@ -121,8 +123,27 @@ def bench_model(url: str, model: str, threads: int, batches: list[int], rounds: 
         row["predicted_serving_ms"] = serving
         row["prediction_error_handler_only"] = measured[(b, "chosen")].p50_ms / predicted - 1.0 if predicted else None
         row["prediction_error"] = measured[(b, "chosen")].p50_ms / serving - 1.0 if serving else None
+        row.update(split_miss(measured[(b, "chosen")], predicted, row["path_ms"]))
         rows.append(row)
     return rows
+
+
+def split_miss(m: Measured, predicted_ms: float | None, path_ms: float | None) -> dict[str, float | None]:
+    """Where a miss is: the served handler against its profile, and the rest of the batch against the path's cost.
+
+    ``handler_error`` is the slowest instance's served ``inference_ms``
+    (p50 over batches) against the profile's prediction for it; ``served_path_ms``
+    is the served p50 less that handler p50, to hold against ``path_ms`` (what
+    ``profile path`` measured). A miss in the first is the handler running
+    slower or faster served than profiled (the host, co-location with the
+    path's processes, a gap before each batch); in the second, the path.
+    """
+    if not m.handler_ms or not m.latencies_ms:
+        return {"handler_p50_ms": None, "handler_error": None, "served_path_ms": None}
+    handler = float(np.percentile(m.handler_ms, 50))
+    return {"handler_p50_ms": handler,
+            "handler_error": handler / predicted_ms - 1.0 if predicted_ms else None,
+            "served_path_ms": m.p50_ms - handler}
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -164,6 +185,16 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {r['model']} | {r['batch']} | `{c['configuration']}` | {c['predicted_ms'] or float('nan'):.1f}{path} "
                      f"| {p50(c)} | {err} | {p50(a)} | {s['measured_p50_ms']:.1f} (`{s['configuration']}`) "
                      f"| {r['speedup_vs_all_thread']:.2f}× |")
+    if any(r.get("handler_error") is not None for r in rows):
+        lines += ["", "| model | B | chosen | profiled slowest instance ms | served handler p50 ms | handler error "
+                  "| path ms (`profile path`) | served p50 less handler p50 ms |", "|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            if r.get("handler_error") is None:
+                continue
+            c = r["chosen"]
+            path = f"{r['path_ms']:.1f}" if r.get("path_ms") is not None else "-"
+            lines.append(f"| {r['model']} | {r['batch']} | `{c['configuration']}` | {c['predicted_ms']:.1f} "
+                         f"| {r['handler_p50_ms']:.1f} | {r['handler_error']:+.1%} | {path} | {r['served_path_ms']:.1f} |")
     return "\n".join(lines)
 
 

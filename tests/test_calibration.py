@@ -1,16 +1,19 @@
 """Calibration serves candidates for real (sleep model) and records what it measured."""
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
-from optimizer.calibration import Measured, calibrate, measure_path, time_batches
+from optimizer.calibration import PATH_HANDLER, Measured, calibrate, example_reply, measure_path, time_batches
 from optimizer.planning.profile import Profile, ProfileEntry
 from optimizer.planning.selection import best_calibrated, candidates, predicted_latency
+from packrat_mq import protocol
 from packrat_mq.cli import main
+from packrat_mq.handler import Context, Input, load_handler, run_batch
 from packrat_mq.instances import Configuration
 from packrat_mq.settings import Settings
 
@@ -88,6 +91,26 @@ def test_measure_path_serves_the_models_own_payloads_with_a_no_op_handler(redis_
     # Round trips through Redis, the dispatcher and a worker: positive, and far below
     # MiniLM's own 8 ms per batch (no model ran).
     assert all(0.0 < ms < 200.0 for ms in costs.values()), costs
+
+
+def test_the_path_is_measured_with_the_models_own_reply() -> None:
+    """MiniLM answers with 384 floats, and the stand-in answers every request with them."""
+    payload, content_type = example_reply("minilm")
+    value = protocol.decode_payload(content_type, payload)
+    assert content_type == protocol.JSON and len(value) == 384 and all(isinstance(x, float) for x in value)
+    stand_in = load_handler(PATH_HANDLER)
+    stand_in.initialize(Context(model_name="minilm", instance_id="t", options={
+        "base_ms": 0, "reply": base64.b64encode(payload).decode(), "reply_content_type": content_type}))
+    result = run_batch(stand_in, [Input(id=str(i), data="any text", content_type=protocol.TEXT) for i in range(3)])
+    assert [o.value for o in result.outcomes] == [value] * 3
+
+
+def test_a_model_that_cannot_answer_is_measured_with_the_stand_ins_reply(redis_url: str, settings: Settings) -> None:
+    said: list[str] = []
+    costs = measure_path(redis_url, settings, "sleep", [1], rounds=2, warmup=1, options={"base_ms": "not a number"},
+                         progress=said.append)
+    assert sorted(costs) == [1]
+    assert "could not answer its example request" in said[0] and "stand-in's reply" in said[0]
 
 
 def test_profile_path_cli_stores_the_cost_in_the_profile(tmp_path: Path) -> None:

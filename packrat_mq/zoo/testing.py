@@ -1,10 +1,12 @@
 """Models for testing the serving path without torch: ``echo`` and ``sleep``."""
 from __future__ import annotations
 
+import base64
 import time
 from typing import Any
 
 from packrat_mq.handler import BadRequest, BaseHandler, Context, Input
+from packrat_mq.protocol import decode_payload
 
 
 class EchoHandler(BaseHandler):
@@ -34,7 +36,11 @@ class SleepHandler(BaseHandler):
     path (``benchmarks/bench_payload.py`` sends it 600 KB images). With the
     option ``copy_inputs`` (true) it first copies each array into one batch,
     as a vision model's ``preprocess`` does, so that the copy a real model
-    makes of its inputs is in the measured batch as it would be.
+    makes of its inputs is in the measured batch as it would be. With the
+    options ``reply`` (a payload, base64) and ``reply_content_type`` it
+    answers every request with that payload's value instead, so the worker
+    encodes what the model it stands in for would send
+    (:func:`optimizer.calibration.measure_path`).
     """
 
     traceable = False
@@ -43,6 +49,10 @@ class SleepHandler(BaseHandler):
         self.base_ms = float(context.options.get("base_ms", 10.0))
         self.per_item_ms = float(context.options.get("per_item_ms", 0.0))
         self.copy_inputs = str(context.options.get("copy_inputs", "")).lower() in ("1", "true", "yes")
+        self.reply: Any = None
+        if context.options.get("reply") is not None:
+            content_type = str(context.options.get("reply_content_type", "application/json"))
+            self.reply = decode_payload(content_type, base64.b64decode(context.options["reply"]))
         return None
 
     def example_batch(self, n: int) -> list[Input]:
@@ -70,4 +80,6 @@ class SleepHandler(BaseHandler):
         asked = [d.get("sleep_ms", 0) for d in batch if isinstance(d, dict)]
         ms = max(asked) if asked and max(asked) > 0 else self.base_ms + self.per_item_ms * len(batch)
         time.sleep(ms / 1000.0)
+        if self.reply is not None:
+            return [self.reply for _ in batch]
         return [{"slept_ms": ms, "batch": len(batch)} for _ in batch]
