@@ -159,6 +159,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         xs = [r["batch"] for r in mine]
         for name, style in (("chosen", "o-"), ("all-thread", "s--"), ("single-thread", "^:")):
             ax.plot(xs, [r[name]["measured_p50_ms"] for r in mine], style, label=name)
+        predicted = [(r["batch"], r.get("predicted_serving_ms")) for r in mine]
+        if any(ms is not None for _, ms in predicted):
+            ax.plot([b for b, ms in predicted if ms is not None], [ms for _, ms in predicted if ms is not None],
+                    "x", color="black", label="chosen, predicted")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(f"{model} (T={mine[0]['threads']})")
@@ -212,9 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json-out", default=str(RESULTS / "configs.json"))
     ap.add_argument("--report", type=Path, default=None,
                     help="print the Markdown table of a finished run's JSON and exit (measures nothing)")
+    ap.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
+                    help="with --report: draw that run's plot to FILE.png too")
     args = ap.parse_args(argv)
     if args.report:
-        print(markdown(json.loads(args.report.read_text())["rows"]))
+        rows = json.loads(args.report.read_text())["rows"]
+        print(markdown(rows))
+        if args.plot:
+            plot(rows, args.plot)
         return 0
     threads = args.threads or Topology.detect().max_cores_per_socket
     batches = [int(x) for x in args.batches.split(",")]
