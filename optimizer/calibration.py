@@ -33,11 +33,9 @@ from optimizer.planning.solving import InfeasibleError
 from packrat_mq import protocol
 from packrat_mq.client import Client
 from packrat_mq.connection import connect
-from packrat_mq.handler import load_handler, run_batch
+from packrat_mq.handler import Context, load_handler, run_batch
 from packrat_mq.instances import Configuration
 from packrat_mq.settings import Settings
-from workers import runtime
-from workers.runtime import RuntimeSpec
 from workers.supervisor import Supervisor
 
 
@@ -217,10 +215,11 @@ def example_reply(model: str, options: dict[str, Any] | None = None) -> tuple[by
     embedding (384 floats) takes 0.15 ms to encode as JSON with the
     standard library, a batch of 32 of them 4.9 ms, where the stand-in's
     reply of a few bytes took nothing. The model is loaded here, in eager
-    mode and unpinned, and runs one batch of one.
+    mode, and runs one batch of one; nothing of this process is pinned or
+    sized (its torch thread pools are left as they are).
     """
-    spec = RuntimeSpec(model=model, handler=model, instance_id="path-reply", pin=False, options=dict(options or {}))
-    handler = runtime.start(spec, warm_up=False)
+    handler = load_handler(model)
+    handler.initialize(Context(model_name=model, instance_id="path-reply", options=dict(options or {})))
     result = run_batch(handler, handler.example_batch(1))
     outcome = result.outcomes[0]
     if not outcome.ok:
