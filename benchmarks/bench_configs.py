@@ -31,8 +31,6 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 os.environ.setdefault("PACKRAT_LOG_LEVEL", "WARNING")
 
 from optimizer.calibration import WARMUP_S, Measured, example_payloads, time_batches  # noqa: E402
@@ -123,12 +121,12 @@ def bench_model(url: str, model: str, threads: int, batches: list[int], rounds: 
         row["predicted_serving_ms"] = serving
         row["prediction_error_handler_only"] = measured[(b, "chosen")].p50_ms / predicted - 1.0 if predicted else None
         row["prediction_error"] = measured[(b, "chosen")].p50_ms / serving - 1.0 if serving else None
-        row.update(split_miss(measured[(b, "chosen")], predicted, row["path_ms"]))
+        row.update(split_miss(measured[(b, "chosen")], predicted))
         rows.append(row)
     return rows
 
 
-def split_miss(m: Measured, predicted_ms: float | None, path_ms: float | None) -> dict[str, float | None]:
+def split_miss(m: Measured, predicted_ms: float | None) -> dict[str, float | None]:
     """Where a miss is: the served handler against its profile, and the rest of the batch against the path's cost.
 
     ``handler_error`` is the slowest instance's served ``inference_ms``
@@ -138,9 +136,9 @@ def split_miss(m: Measured, predicted_ms: float | None, path_ms: float | None) -
     slower or faster served than profiled (the host, co-location with the
     path's processes, a gap before each batch); in the second, the path.
     """
-    if not m.handler_ms or not m.latencies_ms:
+    handler = m.handler_p50_ms
+    if handler is None or not m.latencies_ms:
         return {"handler_p50_ms": None, "handler_error": None, "served_path_ms": None}
-    handler = float(np.percentile(m.handler_ms, 50))
     return {"handler_p50_ms": handler,
             "handler_error": handler / predicted_ms - 1.0 if predicted_ms else None,
             "served_path_ms": m.p50_ms - handler}

@@ -23,7 +23,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -55,6 +55,11 @@ class Measured:
         return float(np.percentile(self.latencies_ms, 50))
 
     @property
+    def handler_p50_ms(self) -> float | None:
+        """The p50 of the batches' slowest ``inference_ms`` (None before a batch was timed)."""
+        return float(np.percentile(self.handler_ms, 50)) if self.handler_ms else None
+
+    @property
     def p99_ms(self) -> float:
         return float(np.percentile(self.latencies_ms, 99))
 
@@ -81,7 +86,7 @@ class Measured:
         if self.handler_ms:
             # What the instances' handlers took as served, beside what the caller saw: a miss of the
             # prediction is then the handler (against its profile) or the path (the rest), not a guess.
-            d["handler_p50_ms"] = float(np.percentile(self.handler_ms, 50))
+            d["handler_p50_ms"] = self.handler_p50_ms
         return d
 
 
@@ -236,7 +241,6 @@ def measure_path(
     rounds: int = 15,
     warmup: int = 3,
     progress: Callable[[str], None] | None = None,
-    reply: tuple[bytes, str] | None | Literal[False] = None,
     options: dict[str, Any] | None = None,
 ) -> dict[int, float]:
     """What the service adds to a batch of each size of ``model``'s example requests, in ms.
@@ -246,10 +250,10 @@ def measure_path(
     the replies and their reads. That is measured here by serving the model's
     own example payloads (their size and content type are what costs) to
     one instance of a handler that does nothing (``PATH_HANDLER``) but
-    answer each with ``reply``, the model's own reply (default: see
-    :func:`example_reply`; ``False``: the stand-in's few bytes): the median
-    batch latency, as :func:`time_batches` measures it, less the handler's
-    reported time. Measured here: 1.2-3.3 ms for MiniLM's text batches of 1
+    answer each with the model's own reply (:func:`example_reply`, the
+    model built with ``options``; the stand-in's few bytes if it cannot
+    answer): the median batch latency, as :func:`time_batches` measures it,
+    less the handler's reported time. Measured here: 1.2-3.3 ms for MiniLM's text batches of 1
     to 32 with the stand-in's reply, 1.5-17 ms for ResNet-50's images
     (docs/figures.md).
     """
@@ -257,20 +261,16 @@ def measure_path(
     r = connect(url)
     out: dict[int, float] = {}
     stand_in: dict[str, Any] = {"base_ms": 0}
-    if reply is None:
-        try:
-            reply = example_reply(model, options)
-        except Exception as exc:  # noqa: BLE001 - the path is still worth measuring, and this says how
-            reply = False
-            if progress:
-                progress(f"{model} could not answer its example request ({type(exc).__name__}: {exc}); "
-                         "the path is measured with the stand-in's reply of a few bytes")
-        else:
-            if progress:
-                progress(f"replies as {model}'s own: {len(reply[0])} bytes of {reply[1]}")
-    if reply:
-        payload, content_type = reply
+    try:
+        payload, content_type = example_reply(model, options)
+    except Exception as exc:  # noqa: BLE001 - the path is still worth measuring, and this says how
+        if progress:
+            progress(f"{model} could not answer its example request ({type(exc).__name__}: {exc}); "
+                     "the path is measured with the stand-in's reply of a few bytes")
+    else:
         stand_in.update(reply=base64.b64encode(payload).decode("ascii"), reply_content_type=content_type)
+        if progress:
+            progress(f"replies as {model}'s own: {len(payload)} bytes of {content_type}")
     with Supervisor(r, settings, url, model, Configuration.uniform(1, 1, max(batches)), handler=PATH_HANDLER,
                     options=stand_in) as service:
         client = Client(connect(url), prefix=settings.prefix)
