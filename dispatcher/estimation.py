@@ -145,6 +145,9 @@ class EstimatorSettings(BaseModel):
 FAR_ABOVE = 4
 #: The stream-length samples the rates read are kept this far apart (seconds; see ``Policy.record_length``).
 LENGTH_RESOLUTION_S = 0.02
+#: How long the stream must overrun the current B before its growth is read as the arrivals (seconds;
+#: see ``Policy.surge``): five samples of the full rate, and a step's growth measured on the step alone.
+SURGE_WINDOW_S = 0.1
 
 
 def floor_pow2(x: float) -> int:
@@ -240,6 +243,8 @@ class Policy:
     needs_processes: Callable[[int, int], bool] | None = None
     #: How long the last active-passive change over-subscribed the cores (seconds, as its history says).
     switch_s: float = 0.0
+    #: Since when the stream has overrun the current B (:meth:`surge`; None: it does not).
+    _overrun_since: float | None = None
 
     def __post_init__(self) -> None:
         self.timeout_s = self.settings.reconfigure_timeout_s
@@ -309,6 +314,7 @@ class Policy:
         self.last_change_at = now
         self.disagree_since = None
         self.agree_since = None
+        self._overrun_since = None
         self._batches.clear()
         self._last_batches.clear()
 
@@ -420,7 +426,7 @@ class Policy:
         return sorted({s.min_batch, upto} | {1 << k for k in range(upto.bit_length()) if s.min_batch < 1 << k < upto})
 
     def carrying(self, now: float, b_tilde: int, current: int,
-                 capacity: Callable[[int], float | None] | None) -> int:
+                 capacity: Callable[[int], float | None] | None, rate: float | None = None) -> int:
         """``b_tilde`` raised to the smallest B that carries the arrivals with ``capacity_margin`` to spare.
 
         The estimate reads the stream's length, which says how much waits,
@@ -436,10 +442,12 @@ class Policy:
         estimate at or below B never moves it up: only a queue that builds
         does, through the estimate. Capacity unknown: the estimate alone.
         Before one trigger period is watched (no rate): no smaller B, blind.
+        ``rate``: a rate measured otherwise (:meth:`surge`), taken where it is higher.
         """
         if capacity is None:
             return b_tilde
-        rate = self.rate(now)
+        measured = self.rate(now)
+        rate = measured if rate is None else rate if measured is None else max(measured, rate)
         if rate is None:
             return b_tilde if b_tilde > current else current
         s = self.settings
@@ -517,10 +525,6 @@ class Policy:
         climbing = up and (self.last_change is not None and self.last_change[1] > self.last_change[0]
                            or (capacity is not None and self.short_of_capacity(now, current, capacity)))
         switch_wait = 0.0 if up else self.switch_wait(current, b_tilde)
-        dwell = min(self.timeout_s, s.up_timeout_s) if up else self.timeout_s + switch_wait
-        gap = dwell if climbing else self.timeout_s
-        if self.last_change_at is not None and now - self.last_change_at < gap:
-            return None
         # Right after a move down, the stream holds what arrived while the change was carried out (an
         # active-passive change over-subscribes the cores for a second or two): a large estimate or a
         # long queueing delay then says how long the change took, not what the load needs. Up moves
@@ -529,6 +533,17 @@ class Policy:
         # cores, at 40% of B=1's capacity, went 4 -> 1 -> 4 within 2.5 s: Q̃ read 3.6 after the switch.)
         settling = (self.last_change is not None and self.last_change[1] < self.last_change[0]
                     and self.last_change_at is not None and now - self.last_change_at < s.rate_window_s)
+        dwell = min(self.timeout_s, s.up_timeout_s) if up else self.timeout_s + switch_wait
+        surge = self.surge(now, current, capacity) if up and not settling and worth >= FAR_ABOVE * current else None
+        if surge is not None:
+            # A queue the current B cannot clear within the dwell, and growing: no burst to wait out. Go
+            # now, and to what carries the arrivals as the stream's growth measures them (the rate
+            # windows of a second or more have hardly seen the step yet).
+            dwell = 0.0
+            b_tilde = max(b_tilde, self.carrying(now, worth, current, capacity, rate=surge))
+        gap = dwell if climbing else self.timeout_s
+        if self.last_change_at is not None and now - self.last_change_at < gap:
+            return None
         if self.disagree_since is not None and now - self.disagree_since >= dwell:
             # Two powers of two above B is no burst (a lone Poisson burst at low load reads 2-3 at B=1):
             # the queue builds whatever the planned capacity says (a machine slower than its profile).
@@ -542,6 +557,38 @@ class Policy:
         if switch_wait and (self.disagree_since is None or now - self.disagree_since < switch_wait):
             return None  # a move down that needs new processes waits for what it costs, trigger or not
         return self._triggered(now, current, b_tilde, q_tilde, predicted_ms)
+
+    def surge(self, now: float, current: int, capacity: Callable[[int], float | None] | None) -> float | None:
+        """The arrival rate while the stream overruns ``current``; None when it does not.
+
+        Overrun: the stream has held more than ``current`` serves within the
+        up dwell (by its planned capacity) for ``SURGE_WINDOW_S``, and grew
+        over that time. Such a backlog is no burst to wait out: every request
+        behind it waits whatever B does next, and the wait grows as long as B
+        stays. On 64 simulated cores a step to 523 requests/s at B=1 (50 a
+        second) had 37 in the stream 60 ms in and the vote said B=8; the
+        dwell of 0.25 s let the backlog reach 160 before the change, and B=32
+        then drained it with 10% to spare, in about 4 s.
+
+        The rate is what ``current`` serves plus what the stream grew by per
+        second since it overran: the rate windows (1 and 5 s) average a step
+        with the quiet before it. Capacity unknown: None.
+        """
+        cap = capacity(current) if capacity is not None else None
+        if not cap or not self._lengths or self._lengths[-1][1] < cap * self.settings.up_timeout_s:
+            self._overrun_since = None
+            return None
+        if self._overrun_since is None:
+            self._overrun_since = self._lengths[-1][0]
+        at, length = self._lengths[-1]
+        then_at, then = at, length
+        for sample_at, sample in reversed(self._lengths):
+            if sample_at < self._overrun_since:
+                break
+            then_at, then = sample_at, sample
+        if at - then_at < SURGE_WINDOW_S or length <= then:
+            return None
+        return cap + (length - then) / (at - then_at)
 
     def needs_switch(self, current: int, target: int) -> bool:
         """Whether the plans say going from ``current`` to ``target`` takes new processes (False: unknown)."""

@@ -792,3 +792,68 @@ def test_the_sampler_stops_looking_for_a_history_entry_after_a_minute() -> None:
         clock.t += 1.0
         a.read_switch()
     assert a._history_due is None and a.policy.switch_s == 0.0
+
+
+def step_from_idle(policy: Policy, est: Estimator, rate: float, capacity: dict[int, float],
+                   seconds: float = 1.0) -> tuple[float, list[Decision]]:
+    """Idle at B=1 for 6 s, then arrivals at ``rate``/s that B=1 serves at its capacity: the stream grows.
+
+    Samples every 5 ms as the dispatcher's sampler does (length and batches
+    recorded); decisions are collected, not applied. Returns the step's time.
+    """
+    t, backlog, served = 0.0, 0.0, 0.0
+    decisions: list[Decision] = []
+    while t < 6.0:  # idle: one request every 0.4 s, served at once
+        t += 0.005
+        if int(t / 0.4) != int((t - 0.005) / 0.4):
+            policy.record_batch(t, 1, False, 1.0)
+        length = 1 if int(t / 0.4) != int((t - 0.005) / 0.4) else 0
+        est.observe(length, 1)
+        policy.record_length(t, length)
+        policy.decide(t, 1, est.b_tilde, est.q_tilde, capacity=capacity.get)
+    step = t
+    while t < step + seconds:
+        t += 0.005
+        backlog += rate * 0.005
+        served += capacity[1] * 0.005
+        while served >= 1 and backlog >= 1:
+            served -= 1
+            backlog -= 1
+            policy.record_batch(t, 1, False, (t - step) * 500)
+        est.observe(int(backlog), 1)
+        policy.record_length(t, int(backlog))
+        d = policy.decide(t, 1, est.b_tilde, est.q_tilde, predicted_ms=20.0, capacity=capacity.get)
+        if d is not None:
+            decisions.append(d)
+            break
+    return step, decisions
+
+
+def test_a_queue_the_current_batch_cannot_clear_moves_at_once_to_what_carries_it() -> None:
+    """A step to 523 requests/s at B=1 on 64 simulated cores: one change, within a fifth of a second, to B=32.
+
+    Without the surge the estimate waited its dwell (0.25 s) after the vote
+    and the change came 0.3 s in, with 160 requests waiting.
+    """
+    caps = {1: 49.6, 2: 99.1, 4: 198.2, 8: 317.9, 16: 455.4, 32: 581.0}
+    est, policy = Estimator(), Policy()
+    step, decisions = step_from_idle(policy, est, 523.0, caps)
+    assert len(decisions) == 1
+    assert decisions[0].batch == 32
+    assert policy._lengths[-1][0] - step <= 0.18  # 0.205 s with the dwell on this ideal sampler
+
+
+def test_a_stream_that_overruns_but_shrinks_is_no_surge() -> None:
+    """A backlog left by a stall, drained by the current B: its arrivals are not measured as a surge."""
+    def surges(growth: float, capacity: dict[int, float], current: int = 1) -> list[float | None]:
+        policy, seen = Policy(), []
+        for k in range(40):  # 200 ms of samples, the policy looking at each
+            policy.record_length(k * 0.005, int(60 + growth * k * 0.005))
+            seen.append(policy.surge(k * 0.005, current, capacity.get))
+        return seen
+
+    assert set(surges(-40.0, {1: 50.0})) == {None}  # draining
+    growing = surges(100.0, {1: 50.0})  # B=1 serves 50 a second, the stream grows by 100: 150 arrive
+    assert growing[:19] == [None] * 19  # not before the stream has overrun B for 0.1 s
+    assert growing[-1] == pytest.approx(150.0, rel=0.1)
+    assert set(surges(100.0, {2: 1000.0}, current=2)) == {None}  # 60-80 waiting is no quarter second for B=2
