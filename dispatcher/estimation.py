@@ -85,6 +85,15 @@ the rate window's arrivals, not one second's burst; for a rate window after
 a move down, the backlog of the switch itself moves nothing up unless the
 arrivals do.
 
+And one exception to the up dwell, the surge (:meth:`Policy.surge`): when the
+stream has held more than the current B serves in ``up_timeout_s`` (by its
+planned capacity) for a tenth of a second, and grew meanwhile, the change is
+made at once, to the B that carries the arrivals that growth measures (the
+current B's capacity plus the growth per second). A step from idle to 90% of
+B=32's capacity on 64 simulated cores went 1 -> 32 0.47 s in, with 160
+requests queued behind a B=1 that serves 50 a second, and B=32's 10% to spare
+took 4 s to drain them; with the surge, 0.32 s in, with 66.
+
 Everything here is pure (a clock is passed in), so the rules are tested
 without Redis or processes; :mod:`dispatcher.adaptive` runs them in the
 dispatcher.
