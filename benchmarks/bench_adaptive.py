@@ -442,6 +442,15 @@ def analyse(name: str, driver: Driver, samples: list[dict[str, Any]], history: l
     # Still in the request stream when the wait ended: not lost (the next start serves them), unanswered.
     unanswered = min(missing, driver.held_at_end)
     lost = missing - unanswered
+    # Requests that found the service empty: every request sent before them already answered. Their
+    # latency beyond their own inference_ms is the service's own wait (batch wait, path), none of it
+    # spent behind another request, which is the "needless" wait issue 9's idle target is about.
+    alone: set[int] = set()
+    answered_by = float("-inf")
+    for k, x in sorted(enumerate(latencies), key=lambda kx: kx[1][0]):
+        if answered_by <= x[0]:
+            alone.add(k)
+        answered_by = max(answered_by, x[0] + x[1] / 1000.0)
     by_phase: dict[str, dict[str, Any]] = {}
     for phase in phases:
         ms = [x[1] for x in latencies if x[2] == phase.name]
@@ -454,10 +463,13 @@ def analyse(name: str, driver: Driver, samples: list[dict[str, Any]], history: l
         # difference, not the difference of the p50s, which a varying handler time and the Poisson
         # arrivals that wait behind another request lift by the spread of the handler's time.
         beyond = [x[1] - x[3]["inference_ms"] for x in latencies if x[2] == phase.name and x[3]["batch_size"] == 1]
+        beyond_alone = [x[1] - x[3]["inference_ms"] for k, x in enumerate(latencies)
+                        if k in alone and x[2] == phase.name and x[3]["batch_size"] == 1]
         by_phase[phase.name] = {"requests": len(ms), "p50_ms": percentile(ms, 50), "p99_ms": percentile(ms, 99),
                                 "mean_ms": statistics.fmean(ms) if ms else None,
                                 "inference_ms_b1_p50": percentile(inf, 50),
                                 "queue_ms_p50": percentile(queued, 50), "beyond_inference_ms_b1_p50": percentile(beyond, 50), "after_inference_ms_p50": percentile(rest, 50),
+                                "alone_b1": len(beyond_alone), "beyond_inference_alone_ms_b1_p50": percentile(beyond_alone, 50),
                                 "rate_per_s": round((phase.rate_from + phase.rate_to) / 2, 2)}
     switches = []
     for e in history:
@@ -511,6 +523,10 @@ def targets(results: dict[str, Any]) -> list[str]:
                       f"{idle['beyond_inference_ms_b1_p50']:.1f} ms (until the instance began "
                       f"{idle['queue_ms_p50']:.1f} ms, after the handler {idle['after_inference_ms_p50']:.1f} ms)"
                       if idle.get("beyond_inference_ms_b1_p50") is not None else ""))
+    if idle and idle.get("beyond_inference_alone_ms_b1_p50") is not None:
+        out.append(f"idle, the {idle['alone_b1']} requests that found the service empty (every earlier one answered): "
+                   f"p50 of latency minus its own inference_ms {idle['beyond_inference_alone_ms_b1_p50']:.1f} ms "
+                   "(no wait behind another request; target <= 3 ms)")
     out.append(f"adaptive reconfigurations: {len(a['reconfigurations'])} over the trace")
     # Under steady load: a change decided more than SETTLE_S into a phase of constant rate
     # (the first changes of a phase answer its step).

@@ -1,0 +1,30 @@
+"""bench_adaptive's analysis of a finished run (no processes: a driver's record, made up)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks.bench_adaptive import Phase, analyse
+
+
+def test_idle_wait_of_requests_that_found_the_service_empty_is_reported_apart() -> None:
+    """Three lone requests, then two sent together: the second of those waits behind the first, needed wait."""
+    def reply(at: float, inference_ms: float, queue_ms: float) -> dict[str, object]:
+        return {"at": at, "ok": True, "inference_ms": inference_ms, "batch_size": 1, "queue_ms": queue_ms}
+
+    sent = {"a": (0.0, "idle"), "b": (1.0, "idle"), "c": (2.0, "idle"), "d": (3.0, "idle"), "e": (3.001, "idle")}
+    replies = {
+        "a": [reply(0.062, 60.0, 1.0)],  # 2 ms beyond its inference
+        "b": [reply(1.063, 60.0, 1.0)],  # 3 ms
+        "c": [reply(2.064, 60.0, 1.0)],  # 4 ms
+        "d": [reply(3.062, 60.0, 1.0)],  # 2 ms
+        "e": [reply(3.123, 60.0, 61.0)],  # 62 ms beyond: it waited for d's batch
+    }
+    driver = SimpleNamespace(sent=sent, replies=replies, held_at_end=0, t0=0.0)
+    result = analyse("adaptive", driver, [], [], [Phase("idle", 10.0, 1.0, 1.0)], [])  # type: ignore[arg-type]
+    idle = result["phases"]["idle"]
+    assert idle["alone_b1"] == 4
+    assert idle["beyond_inference_alone_ms_b1_p50"] == pytest.approx(2.0, abs=0.01)  # a, b, c, d: 2, 3, 4, 2
+    assert idle["beyond_inference_ms_b1_p50"] == pytest.approx(3.0, abs=0.01)  # all five: 2, 2, 3, 4, 62
+    assert result["lost"] == 0 and result["duplicated"] == 0
