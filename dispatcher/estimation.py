@@ -543,8 +543,8 @@ class Policy:
         settling = (self.last_change is not None and self.last_change[1] < self.last_change[0]
                     and self.last_change_at is not None and now - self.last_change_at < s.rate_window_s)
         dwell = min(self.timeout_s, s.up_timeout_s) if up else self.timeout_s + switch_wait
-        surge = self.surge(now, current, capacity) if up and not settling and worth >= FAR_ABOVE * current else None
-        if surge is not None:
+        surge = self.surge(now, current, capacity)  # looked at on every sample: it tracks since when
+        if surge is not None and up and not settling and worth >= FAR_ABOVE * current:
             # A queue the current B cannot clear within the dwell, and growing: no burst to wait out. Go
             # now, and to what carries the arrivals as the stream's growth measures them (the rate
             # windows of a second or more have hardly seen the step yet).
@@ -572,7 +572,7 @@ class Policy:
 
         Overrun: the stream has held more than ``current`` serves within the
         up dwell (by its planned capacity) for ``SURGE_WINDOW_S``, and grew
-        over that time. Such a backlog is no burst to wait out: every request
+        over the last ``SURGE_WINDOW_S``. Such a backlog is no burst to wait out: every request
         behind it waits whatever B does next, and the wait grows as long as B
         stays. On 64 simulated cores a step to 523 requests/s at B=1 (50 a
         second) had 37 in the stream 60 ms in and the vote said B=8; the
@@ -580,22 +580,25 @@ class Policy:
         then drained it with 10% to spare, in about 4 s.
 
         The rate is what ``current`` serves plus what the stream grew by per
-        second since it overran: the rate windows (1 and 5 s) average a step
-        with the quiet before it. Capacity unknown: None.
+        second over that window, all of it within the overrun: the rate
+        windows (1 and 5 s) average a step with the quiet before it.
+        Capacity unknown: None.
         """
         cap = capacity(current) if capacity is not None else None
         if not cap or not self._lengths or self._lengths[-1][1] < cap * self.settings.up_timeout_s:
             self._overrun_since = None
             return None
-        if self._overrun_since is None:
-            self._overrun_since = self._lengths[-1][0]
         at, length = self._lengths[-1]
+        if self._overrun_since is None:
+            self._overrun_since = at
+        if at - self._overrun_since < SURGE_WINDOW_S:
+            return None
         then_at, then = at, length
-        for sample_at, sample in reversed(self._lengths):
-            if sample_at < self._overrun_since:
+        for sample_at, sample in reversed(self._lengths):  # a few samples: the window is 0.1 s
+            if sample_at < at - SURGE_WINDOW_S:
                 break
             then_at, then = sample_at, sample
-        if at - then_at < SURGE_WINDOW_S or length <= then:
+        if at - then_at <= 0 or length <= then:
             return None
         return cap + (length - then) / (at - then_at)
 
