@@ -270,7 +270,9 @@ class Adaptive:
             if last == self.estimator.b_tilde:
                 return True
             now = self.clock()
-            target = self.policy.carrying(now, self.policy.worth(last, self.capacity), self.batch or 1, self.capacity)
+            capacity = self.policy.effective(self.capacity, now)  # as decide sees them (measured where served)
+            target = self.policy.carrying(now, self.policy.worth(last, capacity), self.batch or 1, capacity,
+                                          estimated=last)
             return target == self.batch
 
     def _xlen(self) -> int:

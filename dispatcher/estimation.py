@@ -157,6 +157,9 @@ LENGTH_RESOLUTION_S = 0.02
 #: How long the stream must overrun the current B before its growth is read as the arrivals (seconds;
 #: see ``Policy.surge``): five samples of the full rate, and a step's growth measured on the step alone.
 SURGE_WINDOW_S = 0.1
+#: How long a B's served capacity, measured under a backlog, stands in for its plan's (seconds;
+#: see ``Policy.learn``): a host's speed drifts, and a measurement is renewed whenever B serves a backlog.
+SERVED_TTL_S = 300.0
 
 
 def floor_pow2(x: float) -> int:
@@ -254,6 +257,11 @@ class Policy:
     switch_s: float = 0.0
     #: Since when the stream has overrun the current B (:meth:`surge`; None: it does not).
     _overrun_since: float | None = None
+    #: Per B, (requests/s it served under a backlog, when measured): :meth:`learn`, :meth:`effective`.
+    served: dict[int, tuple[float, float]] = field(default_factory=dict)
+    _learned_at: float | None = None
+    #: Since when every length sample has held at least two of the current B's batches (None: the last did not).
+    _backlog_since: float | None = None
 
     def __post_init__(self) -> None:
         self.timeout_s = self.settings.reconfigure_timeout_s
@@ -324,6 +332,7 @@ class Policy:
         self.disagree_since = None
         self.agree_since = None
         self._overrun_since = None
+        self._backlog_since = None
         self._batches.clear()
         self._last_batches.clear()
 
@@ -435,7 +444,8 @@ class Policy:
         return sorted({s.min_batch, upto} | {1 << k for k in range(upto.bit_length()) if s.min_batch < 1 << k < upto})
 
     def carrying(self, now: float, b_tilde: int, current: int,
-                 capacity: Callable[[int], float | None] | None, rate: float | None = None) -> int:
+                 capacity: Callable[[int], float | None] | None, rate: float | None = None,
+                 estimated: int | None = None) -> int:
         """``b_tilde`` raised to the smallest B that carries the arrivals with ``capacity_margin`` to spare.
 
         The estimate reads the stream's length, which says how much waits,
@@ -452,6 +462,10 @@ class Policy:
         does, through the estimate. Capacity unknown: the estimate alone.
         Before one trigger period is watched (no rate): no smaller B, blind.
         ``rate``: a rate measured otherwise (:meth:`surge`), taken where it is higher.
+        ``estimated``: the estimate before the knee lowered it to ``b_tilde``;
+        above B, with a load nothing carries, it moves B up to the B that
+        serves the most even where the knee said B (a B that serves less than
+        planned, :meth:`learn`, gives way).
         """
         if capacity is None:
             return b_tilde
@@ -471,12 +485,21 @@ class Policy:
             if cap >= need:
                 target = b
                 break
-        if target is None:  # nothing carries it: the B that serves the most
-            target = max(self.worth(s.max_batch, capacity), b_tilde)
+        if target is None:  # nothing carries it: the B that serves the most (not the knee: the load needs it all)
+            target = max(self.most(capacity), b_tilde)
             now_cap, cap = capacity(current), capacity(target)
             if target < current and (cap is None or now_cap is None or cap <= now_cap):
                 target = current
-        return target if b_tilde > current else min(target, current)
+        return target if max(b_tilde, estimated or 0) > current else min(target, current)
+
+    def most(self, capacity: Callable[[int], float | None]) -> int:
+        """The B up to ``max_batch`` that serves the most (the smallest of equals); ``max_batch`` if any is unknown."""
+        candidates = self._candidates(self.settings.max_batch)
+        caps = [capacity(b) for b in candidates]
+        if any(c is None for c in caps):
+            return self.settings.max_batch
+        best = max(c for c in caps if c is not None)
+        return next(b for b, c in zip(candidates, caps) if c == best)
 
     def worth(self, b_tilde: int, capacity: Callable[[int], float | None] | None) -> int:
         """The smallest B up to ``b_tilde`` that serves within ``knee`` of the best of them (``b_tilde`` if unknown).
@@ -495,6 +518,61 @@ class Policy:
         best = max(caps)
         return next(b for b, c in zip(candidates, caps) if c >= (1 - s.knee) * best)
 
+    def learn(self, now: float, current: int) -> float | None:
+        """What ``current`` served while the stream held a backlog for a whole rate window; None if it did not.
+
+        The plan's capacity is the profile's batch latency of full batches
+        with instances that own their cores; served, the path's processes
+        share them, and instances of several threads lose most (each stolen
+        slice stalls every thread at the next barrier). ResNet-50 on two
+        cores (2026-12-03): the plan gave one 2-thread instance at B=8 28.1
+        requests/s, the best of every B, and two 1-thread ones at B=32 25.6;
+        under 25.3 a second, B=8 fell behind by seconds for 15 s while the
+        knee held it there (nothing carried the load, and B=8 served "the
+        most"), and static B=32 served the same phases at a p50 of 270-460
+        ms. While at least one batch waits beyond one being served
+        throughout the window (every length sample at least 2B), the
+        instances never wait for work, and what was dispatched is what B
+        serves. Looked at once a second; not within a rate window (and the
+        switch) after a change, whose batches are not all the new B's.
+        """
+        s = self.settings
+        # Every sample is looked at (the kept length samples merge those within 20 ms, a dip among them).
+        if not self._lengths or self._lengths[-1][1] < 2 * current:
+            self._backlog_since = None
+        elif self._backlog_since is None:
+            self._backlog_since = self._lengths[-1][0]
+        if self._learned_at is not None and now - self._learned_at < s.trigger_period_s:
+            return None
+        self._learned_at = now
+        since = now - s.rate_window_s
+        settled = self.last_change_at is None or now - self.last_change_at >= s.rate_window_s + self.switch_s
+        if (not settled or self._flow_since is None or self._flow_since > since
+                or self._backlog_since is None or self._backlog_since > since):
+            return None
+        rate = self._dispatched(since) / s.rate_window_s
+        if rate > 0:
+            self.served[current] = (rate, now)
+            return rate
+        return None
+
+    def effective(self, capacity: Callable[[int], float | None] | None,
+                  now: float | None = None) -> Callable[[int], float | None] | None:
+        """``capacity``, with what each B was measured to serve (:meth:`learn`) in place of its plan.
+
+        Only where measured, and for ``SERVED_TTL_S``; the rest keeps the plan.
+        """
+        if capacity is None or not self.served:
+            return capacity
+        served = {b: rate for b, (rate, at) in self.served.items() if now is None or now - at <= SERVED_TTL_S}
+        if not served:
+            return capacity
+
+        def measured(batch: int) -> float | None:
+            return served[batch] if batch in served else capacity(batch)
+
+        return measured
+
     def decide(self, now: float, current: int, b_tilde: int | None, q_tilde: float | None = None,
                predicted_ms: float | None = None,
                capacity: Callable[[int], float | None] | None = None) -> Decision | None:
@@ -502,16 +580,21 @@ class Policy:
 
         ``capacity(B)`` is what B can serve (requests/s, from the profile's
         plan), or None where unknown; without it no smaller B is refused.
+        Where a B was measured serving a backlog, that measure stands in for
+        its plan (:meth:`learn`).
         """
         s = self.settings
         self._forget(now)
         if self._flow_since is None:
             self._flow_since = now  # the rate is measured from the first look on
+        if capacity is not None:
+            self.learn(now, current)
+            capacity = self.effective(capacity, now)
         if b_tilde is None:
             return None
         estimated = b_tilde
         worth = self.worth(b_tilde, capacity)
-        b_tilde = self.carrying(now, worth, current, capacity)
+        b_tilde = self.carrying(now, worth, current, capacity, estimated=estimated)
         if b_tilde == current:
             self.disagree_since = None
             if self.agree_since is None:

@@ -857,3 +857,47 @@ def test_a_stream_that_overruns_but_shrinks_is_no_surge() -> None:
     assert growing[:19] == [None] * 19  # not before the stream has overrun B for 0.1 s
     assert growing[-1] == pytest.approx(150.0, rel=0.1)
     assert set(surges(100.0, {2: 1000.0}, current=2)) == {None}  # 60-80 waiting is no quarter second for B=2
+
+
+def test_a_batch_that_serves_less_than_planned_under_a_backlog_gives_way() -> None:
+    """ResNet-50 on two cores (12-03): the plan's best B=8 served 23/s under 25.3 arriving, and the knee held it.
+
+    Served for a rate window with a backlog throughout, B=8's measured rate
+    replaces its plan: nothing carries the load, and the B that serves the
+    most is now 16, which the decision moves to.
+    """
+    caps = {1: 21.4, 2: 25.0, 4: 26.6, 8: 28.1, 16: 27.8, 32: 25.6}
+    est, policy = Estimator(), Policy()
+    policy.changed(0.0, 1, 8)
+    t, backlog, served, dispatched_at = 0.0, 20.0, 0.0, 0.0
+    decisions: list[Decision] = []
+    while t < 12.0:
+        t += 0.005
+        backlog += 25.3 * 0.005
+        served += 23.0 * 0.005
+        if served >= 8 and backlog >= 8:  # a batch of 8 done: the next one dispatched
+            served -= 8
+            backlog -= 8
+            policy.record_batch(t, 8, False, 400.0)
+        est.observe(int(backlog) + 8, 8)
+        policy.record_length(t, int(backlog) + 8)
+        d = policy.decide(t, 8, est.b_tilde, est.q_tilde, predicted_ms=300.0, capacity=caps.get)
+        if d is not None:
+            decisions.append(d)
+            break
+    assert policy.served[8][0] == pytest.approx(23.0, rel=0.1)
+    assert decisions and decisions[0].batch == 16
+    assert 5.0 <= t <= 7.0  # a rate window after the change, and the dwell
+
+
+def test_no_backlog_throughout_the_window_teaches_nothing() -> None:
+    """A stream that empties once in the window: the instances waited for work, the dispatch rate is the arrivals'."""
+    policy = Policy()
+    for k in range(1200):  # 6 s: 20 waiting, except one sample at 3 s; the policy looks at each
+        t = k * 0.005
+        policy.record_length(t, 0 if k == 600 else 20)
+        if k % 40 == 0:
+            policy.record_batch(t, 8, False, 10.0)
+        policy.learn(t, 8)
+    assert policy.served == {}
+    assert policy.effective(CAPACITY.get, 6.0) == CAPACITY.get
