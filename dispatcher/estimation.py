@@ -94,6 +94,14 @@ B=32's capacity on 64 simulated cores went 1 -> 32 0.47 s in, with 160
 requests queued behind a B=1 that serves 50 a second, and B=32's 10% to spare
 took 4 s to drain them; with the surge, 0.32 s in, with 66.
 
+Last, the plans yield to what was served (:meth:`Policy.learn`): when the
+stream has held at least two of B's batches for a whole rate window, what
+was dispatched is what B serves, and that rate stands in for B's planned
+capacity in every rule above (for five minutes, renewed whenever B serves a
+backlog again). An estimate above B under a load that nothing carries then
+moves B to the B that serves the most, even where the knee said B: on two
+cores a ResNet-50 held B=8, its plan's best, while it fell seconds behind.
+
 Everything here is pure (a clock is passed in), so the rules are tested
 without Redis or processes; :mod:`dispatcher.adaptive` runs them in the
 dispatcher.
