@@ -494,15 +494,21 @@ class Policy:
                 target = b
                 break
         if target is None:  # nothing carries it: the B that serves the most (not the knee: the load needs it all)
-            target = max(self.most(capacity), b_tilde)
+            # With the estimate above B, only as far up as that: a B that serves less than its plan
+            # (:meth:`learn`) gives way to a larger one, never to a smaller plan not yet served, which
+            # the 12-03 ResNet-50 trace tried (8 -> 4 under its steady step) and took back by the
+            # queue-delay trigger 6 s later.
+            up = estimated is not None and estimated > current
+            target = max(self.most(capacity, at_least=current if up else None), b_tilde)
             now_cap, cap = capacity(current), capacity(target)
             if target < current and (cap is None or now_cap is None or cap <= now_cap):
                 target = current
         return target if max(b_tilde, estimated or 0) > current else min(target, current)
 
-    def most(self, capacity: Callable[[int], float | None]) -> int:
-        """The B up to ``max_batch`` that serves the most (the smallest of equals); ``max_batch`` if any is unknown."""
-        candidates = self._candidates(self.settings.max_batch)
+    def most(self, capacity: Callable[[int], float | None], at_least: int | None = None) -> int:
+        """The B up to ``max_batch`` (and from ``at_least``) that serves the most (the smallest of equals);
+        ``max_batch`` if any is unknown."""
+        candidates = [b for b in self._candidates(self.settings.max_batch) if at_least is None or b >= at_least]
         caps = [capacity(b) for b in candidates]
         if any(c is None for c in caps):
             return self.settings.max_batch

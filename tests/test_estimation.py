@@ -859,14 +859,16 @@ def test_a_stream_that_overruns_but_shrinks_is_no_surge() -> None:
     assert set(surges(100.0, {2: 1000.0}, current=2)) == {None}  # 60-80 waiting is no quarter second for B=2
 
 
-def test_a_batch_that_serves_less_than_planned_under_a_backlog_gives_way() -> None:
+@pytest.mark.parametrize("four", [26.6, 28.0])
+def test_a_batch_that_serves_less_than_planned_under_a_backlog_gives_way(four: float) -> None:
     """ResNet-50 on two cores (12-03): the plan's best B=8 served 23/s under 25.3 arriving, and the knee held it.
 
     Served for a rate window with a backlog throughout, B=8's measured rate
     replaces its plan: nothing carries the load, and the B that serves the
-    most is now 16, which the decision moves to.
+    most from B up is now 16, which the decision moves to; never down to a
+    smaller B whose plan, not yet served, says more (``four`` = 28.0).
     """
-    caps = {1: 21.4, 2: 25.0, 4: 26.6, 8: 28.1, 16: 27.8, 32: 25.6}
+    caps = {1: 21.4, 2: 25.0, 4: four, 8: 28.1, 16: 27.8, 32: 25.6}
     est, policy = Estimator(), Policy()
     policy.changed(0.0, 1, 8)
     t, backlog, served, dispatched_at = 0.0, 20.0, 0.0, 0.0
