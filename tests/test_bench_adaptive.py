@@ -1,15 +1,20 @@
 """bench_adaptive's analysis of a finished run (no processes: a driver's record, made up)."""
 from __future__ import annotations
 
+import importlib
+import os
 from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.bench_adaptive import Phase, analyse
 
-
-def test_idle_wait_of_requests_that_found_the_service_empty_is_reported_apart() -> None:
+def test_idle_wait_of_requests_that_found_the_service_empty_is_reported_apart(monkeypatch: pytest.MonkeyPatch) -> None:
     """Three lone requests, then two sent together: the second of those waits behind the first, needed wait."""
+    # The benchmark quiets the processes it starts by setting PACKRAT_LOG_LEVEL when imported: kept
+    # to this test, or every later test's `up` would log at WARNING (their checks read its INFO lines).
+    monkeypatch.setenv("PACKRAT_LOG_LEVEL", os.environ.get("PACKRAT_LOG_LEVEL", "INFO"))
+    bench = importlib.import_module("benchmarks.bench_adaptive")
+    Phase, analyse = bench.Phase, bench.analyse
     def reply(at: float, inference_ms: float, queue_ms: float) -> dict[str, object]:
         return {"at": at, "ok": True, "inference_ms": inference_ms, "batch_size": 1, "queue_ms": queue_ms}
 
