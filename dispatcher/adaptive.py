@@ -22,12 +22,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 
-from dispatcher.estimation import Decision, Estimator, EstimatorSettings, Policy
+from dispatcher.estimation import SERVED_TTL_S, Decision, Estimator, EstimatorSettings, Policy
 from optimizer.planning.selection import choose
 from packrat_mq import control
 from packrat_mq.deployment import node_share
@@ -157,6 +157,8 @@ class Snapshot:
     q_tilde: float | None
     b_tilde: int | None
     requested: int | None
+    #: Per B, what it was measured to serve under a backlog (requests/s; ``Policy.learn``), still in use.
+    served: dict[int, float] = field(default_factory=dict)
 
 
 class Adaptive:
@@ -222,8 +224,10 @@ class Adaptive:
 
     def snapshot(self) -> Snapshot:
         with self._lock:
+            now = self.clock()
+            served = {b: rate for b, (rate, at) in self.policy.served.items() if now - at <= SERVED_TTL_S}
             return Snapshot(self.adaptive, self.estimator.q_tilde, self.estimator.b_tilde,
-                            self._requested[0] if self._requested else None)
+                            self._requested[0] if self._requested else None, served)
 
     # --- the sampler -----------------------------------------------------
     def quiet(self) -> bool:

@@ -195,6 +195,7 @@ class Dispatcher:
                                adaptive=estimate.adaptive,
                                q_tilde=round(estimate.q_tilde, 3) if estimate.q_tilde is not None else None,
                                b_tilde=estimate.b_tilde, requested_batch=estimate.requested,
+                               served=[f"{b}={rate:.1f}" for b, rate in sorted(estimate.served.items())],
                                metrics=self.tally.dump() if self.tally is not None else None)
 
     def metrics_view(self) -> ModelView:

@@ -174,7 +174,7 @@ class DispatcherState(LiveRecord):
     """The dispatcher of one model (``<prefix>:dispatcher:<model>``)."""
 
     COUNTERS: ClassVar[tuple[str, ...]] = (*LiveRecord.COUNTERS, "batches")
-    LISTS: ClassVar[dict[str, type]] = {"nodes": str}
+    LISTS: ClassVar[dict[str, type]] = {"nodes": str, "served": str}
 
     #: The bound on the request stream this dispatcher enforces.
     max_backlog: int | None = None
@@ -191,6 +191,9 @@ class DispatcherState(LiveRecord):
     q_tilde: float | None = None
     b_tilde: int | None = None
     requested_batch: int | None = None
+    #: What each B was measured to serve under a backlog, which the estimator reads in place of its plan
+    #: (``B=requests/s``, e.g. ``8=23.0``; ``dispatcher.estimation.Policy.learn``).
+    served: list[str] = []
 
     def generation_of(self, node: str) -> int | None:
         """The generation of ``node``'s instances it dispatches to (``generation`` when it names no node at all)."""

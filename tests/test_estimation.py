@@ -903,3 +903,29 @@ def test_no_backlog_throughout_the_window_teaches_nothing() -> None:
         policy.learn(t, 8)
     assert policy.served == {}
     assert policy.effective(CAPACITY.get, 6.0) == CAPACITY.get
+
+
+def test_status_shows_what_each_batch_served_under_a_backlog() -> None:
+    """The dispatcher's record carries the served capacities; ``status`` shows them, in JSON and in text."""
+    from packrat_mq.cli.status import collect_status, render
+    from packrat_mq.keys import Keys
+    from packrat_mq.records import DispatcherState
+
+    r = fakeredis.FakeRedis()
+    keys = Keys("t")
+    r.sadd(keys.models(), "resnet50")
+    DispatcherState(state="ready", adaptive=True, batch=16, q_tilde=30.0, b_tilde=32,
+                    served=["8=23.0", "16=25.5"]).save(r, keys.dispatcher("resnet50"))
+    assert DispatcherState.load(r, keys.dispatcher("resnet50")).served == ["8=23.0", "16=25.5"]
+    doc = collect_status(r, keys)
+    (model,) = doc["models"]
+    assert model["estimate"]["served"] == {"8": 23.0, "16": 25.5}
+    assert "served under a backlog: B=8 23.0/s, B=16 25.5/s" in render(doc, "t")
+
+
+def test_the_dispatchers_snapshot_carries_the_served_capacities() -> None:
+    clock = Clock()
+    adaptive = Adaptive(fakeredis.FakeRedis(), Settings(), "m", clock=clock)
+    adaptive.policy.served[8] = (23.0, clock.t)
+    adaptive.policy.served[4] = (20.0, clock.t - 400.0)  # measured too long ago: the plan again
+    assert adaptive.snapshot().served == {8: 23.0}

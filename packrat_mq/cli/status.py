@@ -33,6 +33,18 @@ def _process(record: LiveRecord | None, now: float) -> dict[str, Any]:
             "groups_recreated": record.groups_recreated, "heartbeat_age_s": record.heartbeat_age(now)}
 
 
+def served_capacities(items: list[str]) -> dict[str, float]:
+    """The dispatcher record's ``B=rate`` items as ``{"B": rate}`` (JSON keys are strings); unreadable ones skipped."""
+    out = {}
+    for item in items:
+        batch, _, rate = item.partition("=")
+        try:
+            out[str(int(batch))] = float(rate)
+        except ValueError:
+            continue
+    return out
+
+
 def collect_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
     """Everything ``status`` shows, as one JSON-able document."""
     models = sorted(m.decode() for m in r.smembers(keys.models()))
@@ -64,7 +76,8 @@ def collect_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
                                "generation": d.generation if d else None}
         entry["adaptive"] = deployment.adaptive if deployment else False
         entry["estimate"] = {"q_tilde": d.q_tilde if d else None, "b_tilde": d.b_tilde if d else None,
-                             "requested_batch": d.requested_batch if d else None}
+                             "requested_batch": d.requested_batch if d else None,
+                             "served": served_capacities(d.served) if d else {}}
         entry["reconfigurations"] = [json.loads(x) for x in r.lrange(keys.reconfigurations(model), 0, 9)]
         entry["reconfiguring"] = None
         if d is None:
@@ -135,7 +148,9 @@ def render(doc: dict[str, Any], prefix: str) -> str:
         q = est.get("q_tilde")
         lines.append(f"  {'batch size':<24} " + ("adaptive" if m.get("adaptive") else "pinned")
                      + f", B={m['batch']}, Q̃={q if q is not None else '-'}, B̃={est.get('b_tilde') or '-'}"
-                     + (f", asked for B={est['requested_batch']}" if est.get("requested_batch") else ""))
+                     + (f", asked for B={est['requested_batch']}" if est.get("requested_batch") else "")
+                     + ("; served under a backlog: " + ", ".join(f"B={b} {rate:.1f}/s" for b, rate in est["served"].items())
+                        + " (in place of the plan)" if est.get("served") else ""))
         if m.get("reconfiguring"):
             rc = m["reconfiguring"]
             lines.append(f"  {'reconfiguring':<24} to {rc['to']} on {rc['node']}: {rc['phase']}")
