@@ -27,7 +27,7 @@ from typing import Any
 
 import redis
 
-from dispatcher.estimation import SERVED_TTL_S, Decision, Estimator, EstimatorSettings, Policy
+from dispatcher.estimation import Decision, Estimator, EstimatorSettings, Policy
 from optimizer.planning.selection import choose
 from packrat_mq import control
 from packrat_mq.deployment import node_share
@@ -224,10 +224,8 @@ class Adaptive:
 
     def snapshot(self) -> Snapshot:
         with self._lock:
-            now = self.clock()
-            served = {b: rate for b, (rate, at) in self.policy.served.items() if now - at <= SERVED_TTL_S}
             return Snapshot(self.adaptive, self.estimator.q_tilde, self.estimator.b_tilde,
-                            self._requested[0] if self._requested else None, served)
+                            self._requested[0] if self._requested else None, self.policy.measured(self.clock()))
 
     # --- the sampler -----------------------------------------------------
     def quiet(self) -> bool:

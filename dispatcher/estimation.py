@@ -570,22 +570,23 @@ class Policy:
             return rate
         return None
 
-    def effective(self, capacity: Callable[[int], float | None] | None,
-                  now: float | None = None) -> Callable[[int], float | None] | None:
-        """``capacity``, with what each B was measured to serve (:meth:`learn`) in place of its plan.
+    def measured(self, now: float) -> dict[int, float]:
+        """What each B was measured to serve (:meth:`learn`), where that was within ``SERVED_TTL_S``."""
+        return {b: rate for b, (rate, at) in self.served.items() if now - at <= SERVED_TTL_S}
 
-        Only where measured, and for ``SERVED_TTL_S``; the rest keeps the plan.
-        """
+    def effective(self, capacity: Callable[[int], float | None] | None,
+                  now: float) -> Callable[[int], float | None] | None:
+        """``capacity``, with what each B was measured to serve (:meth:`measured`) in place of its plan."""
         if capacity is None or not self.served:
             return capacity
-        served = {b: rate for b, (rate, at) in self.served.items() if now is None or now - at <= SERVED_TTL_S}
+        served = self.measured(now)
         if not served:
             return capacity
 
-        def measured(batch: int) -> float | None:
+        def with_served(batch: int) -> float | None:
             return served[batch] if batch in served else capacity(batch)
 
-        return measured
+        return with_served
 
     def decide(self, now: float, current: int, b_tilde: int | None, q_tilde: float | None = None,
                predicted_ms: float | None = None,
