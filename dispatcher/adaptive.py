@@ -52,9 +52,6 @@ def estimator_settings(settings: Settings) -> EstimatorSettings:
         reconfigure_timeout_s=settings.reconfigure_timeout_s, up_timeout_s=settings.reconfigure_up_timeout_s,
         trigger_period_s=settings.trigger_period_s, up_utilisation=settings.reconfigure_up_utilisation,
         knee=settings.estimator_knee, switch_factor=settings.estimator_switch_factor,
-        capacity_margin=settings.estimator_capacity_margin,
-        min_capacity_margin=settings.estimator_min_capacity_margin,
-        batch_wait_s=settings.batch_timeout_ms / 1000.0,
     )
 
 

@@ -33,10 +33,9 @@ against reconfiguration storms:
 A third guard, against going down to a B that cannot carry the load: a
 smaller B is only taken when what it can serve (its planned capacity,
 ``B / L(B)`` from the profile) exceeds the requests dispatched over the last
-``rate_window_s`` (5 s) by a margin (:meth:`Policy.margin`): 20% at B=1,
-where a higher utilisation makes the queueing delay grow fast; less at a
-larger B, whose batches of B arrivals come more regularly (Kingman), down to
-10%, which the measured rate's own wandering needs. Near saturation the
+``rate_window_s`` (5 s) by ``capacity_margin`` (20%: at a higher
+utilisation the queueing delay of the smaller B grows fast, and the measured
+rate itself wanders by a few percent). Near saturation the
 stream's length (and the batches cut by the timeout while a large B's
 partial batches are served) says "smaller" in the quiet moments between
 bursts; the smaller B then falls behind, the backlog grows, and B goes back
@@ -143,15 +142,8 @@ class EstimatorSettings(BaseModel):
                                       description="Trigger when median queueing delay > factor × predicted latency.")
     min_trigger_batches: int = Field(default=5, ge=1, description="Batches a trigger needs in its period.")
     capacity_margin: float = Field(default=0.2, ge=0, lt=1,
-                                   description="A B carries the load only if its capacity exceeds the recent "
-                                               "arrival rate by this fraction at B=1; less at larger B, whose "
-                                               "batches arrive more regularly (see Policy.margin).")
-    min_capacity_margin: float = Field(default=0.1, ge=0, lt=1,
-                                       description="The least margin at any B: the measured rate itself wanders "
-                                                   "by a few percent.")
-    batch_wait_s: float | None = Field(default=None, ge=0,
-                                       description="The dispatcher's batch timeout: where it cuts batches short, "
-                                                   "they hold fewer arrivals (None: unknown, batches of B).")
+                                   description="A smaller B is taken only if its capacity exceeds the recent "
+                                               "dispatch rate by this fraction.")
     rate_window_s: float = Field(default=5.0, gt=0, description="Window of the dispatch rate the guard reads.")
     up_utilisation: float = Field(default=0.6, ge=0, le=1,
                                   description="A larger B is taken on the estimate only while the recent dispatch "
@@ -420,105 +412,7 @@ class Policy:
             return False
         rate = self.rate(now)
         # Not yet a period of batches seen (a dispatcher just started): no smaller B blind.
-        return rate is None or not self.carries(batch, rate, cap)
-
-    def carries(self, batch: int, rate: float, cap: float) -> bool:
-        """Whether ``batch``, serving ``cap`` requests/s, carries ``rate`` with its margin (:meth:`margin`),
-        the rate taken one standard deviation high.
-
-        The rate is a count of Poisson arrivals over ``rate_window_s``, whose
-        standard deviation is √(rate · window) arrivals: at 160/s over 5 s,
-        3.5%. A margin of 10% alone let a load at 95% of B=16's capacity
-        through to B=16 on a dip of 1.6 deviations, once in a minute of the
-        test; one deviation more asks for a dip of 2.5.
-        """
-        high = rate + math.sqrt(max(rate, 0.0) / self.settings.rate_window_s)
-        return cap >= high / (1 - self.margin(batch, rate))
-
-    def settles(self, batch: int, rate: float, cap: float) -> bool:
-        """Whether the load would stay at ``batch``: it carries ``rate``, and the stream it would hold (its
-        predicted length) reads as no more than ``batch`` to the estimate, under 2B.
-
-        What a move down needs. Near saturation the queueing wait fills the
-        stream: at 95% of B=16's capacity on 16 simulated cores it holds
-        about 36, the estimate at B=16 says 32, and the first benchmark went
-        32 → 16 → 32 five times in 19 s.
-        """
-        return self.carries(batch, rate, cap) and self.predicted_length(batch, rate, cap) < 2 * batch
-
-    def margin(self, batch: int, rate: float) -> float:
-        """The capacity ``batch`` must have to spare over ``rate`` to carry it (a fraction of its capacity).
-
-        What the margin buys is a bounded queueing delay, and that depends on
-        how regular the batches' arrivals are. Kingman's approximation for a
-        queue of batches with deterministic service ``L``: the wait is
-        ``ρ/(1−ρ) · (c_a² + c_s²)/2 · L``, and a batch of ``n`` Poisson
-        arrivals has ``c_a² = 1/n`` (``c_s² ≈ 0``). Holding the wait to what
-        ``capacity_margin`` allows at ``n = 1`` (20%: ρ = 0.8, a wait of 2 L,
-        M/D/1 exactly) allows ``ρ/(1−ρ) ≤ n(1−m)/m``, that is a margin of
-        ``m / (m + n(1−m))``: 11% at n = 2, 6% at n = 4, never below
-        ``min_capacity_margin`` (10%), which covers the rate's own noise (5 s of
-        Poisson arrivals at 125/s wander by 4%). ``n`` is B, or the arrivals of
-        one batch timeout where that cuts batches short. A single margin of
-        20% at every B took B=16 at 86% of B=8's capacity on 16 simulated
-        cores, where static B=8 served the phase at 95 ms mean and B=16 at
-        143 (each lone request ran on one thread instead of two).
-        """
-        s = self.settings
-        m = s.capacity_margin
-        if m <= 0:
-            return 0.0
-        return max(min(s.min_capacity_margin, m), m / (m + self._per_batch(batch, rate) * (1 - m)))
-
-    def _per_batch(self, batch: int, rate: float) -> float:
-        """The arrivals one batch holds: ``batch``, or 1 + those of one batch timeout where it cuts them short."""
-        n = float(batch)
-        if self.settings.batch_wait_s is not None:
-            n = min(n, 1.0 + max(rate, 0.0) * self.settings.batch_wait_s)
-        return max(n, 1.0)
-
-    def predicted_length(self, batch: int, rate: float, cap: float) -> float:
-        """The request stream's length at ``batch`` under ``rate`` arrivals/s (Little's law), by its capacity.
-
-        Time in the system: the batch's fill (half of its arrivals' span, or
-        of the batch timeout where that cuts it), its latency ``batch / cap``
-        and the queueing wait of :meth:`margin`'s Kingman approximation.
-        Infinite where ``rate`` reaches ``cap``.
-        """
-        if rate >= cap:
-            return math.inf
-        if rate <= 0:
-            return 0.0
-        n = self._per_batch(batch, rate)
-        latency = batch / cap
-        rho = rate / cap
-        return rate * ((n - 1) / (2 * rate) + latency + rho / (1 - rho) * latency / (2 * n))
-
-    def settled_below(self, below: int, rate: float, capacity: Callable[[int], float | None]) -> int | None:
-        """The smallest B under ``below``, down to half of it, that carries ``rate`` with its margin and where
-        the estimate would ask for no more than B (its predicted stream length under 2B); None if none does.
-
-        The estimate reads the stream's length, arrival rate × time in the
-        system, and a larger B makes the time longer: at 125 requests/s on 16
-        simulated cores the stream holds about 17 at B=16 (a batch of 95 ms
-        and a timeout-cut fill) and about 12 at B=8 (55 ms batches), so each
-        B confirms itself, and the trace stayed at B=16 for a phase static
-        B=8 served at 95 ms mean against 143. Of such fixed points the
-        smallest serves each request soonest. One power of two at a time:
-        the prediction is a model, and each step down is then confirmed by
-        the estimate measured at the new B before the next.
-        """
-        for b in self._candidates(below):
-            if b >= below:
-                break
-            if 2 * b < below:
-                continue
-            cap = capacity(b)
-            if cap is None:
-                return None
-            if self.settles(b, rate, cap):
-                return b
-        return None
+        return rate is None or rate > (1 - self.settings.capacity_margin) * cap
 
     def busy(self, now: float, batch: int, capacity: Callable[[int], float | None] | None,
              sustained: bool = False) -> bool:
@@ -560,7 +454,7 @@ class Policy:
     def carrying(self, now: float, b_tilde: int, current: int,
                  capacity: Callable[[int], float | None] | None, rate: float | None = None,
                  estimated: int | None = None) -> int:
-        """``b_tilde`` raised to the smallest B that carries the arrivals with its margin to spare (:meth:`margin`).
+        """``b_tilde`` raised to the smallest B that carries the arrivals with ``capacity_margin`` to spare.
 
         The estimate reads the stream's length, which says how much waits,
         not how fast it comes: a step to 90% of B=4's capacity reads Q̃ ≈ 2
@@ -588,6 +482,7 @@ class Policy:
         if rate is None:
             return b_tilde if b_tilde > current else current
         s = self.settings
+        need = rate / (1 - s.capacity_margin)
         target = None
         for b in self._candidates(s.max_batch):
             if b < b_tilde:
@@ -595,7 +490,7 @@ class Policy:
             cap = capacity(b)
             if cap is None:
                 return b_tilde  # a plan unknown: the estimate decides
-            if self.settles(b, rate, cap) if b < current else self.carries(b, rate, cap):
+            if cap >= need:
                 target = b
                 break
         if target is None:  # nothing carries it: the B that serves the most (not the knee: the load needs it all)
@@ -608,13 +503,7 @@ class Policy:
             now_cap, cap = capacity(current), capacity(target)
             if target < current and (cap is None or now_cap is None or cap <= now_cap):
                 target = current
-        if max(b_tilde, estimated or 0) > current:
-            return target
-        # Not up: down to the smallest B the load settles at, if one is below (:meth:`settled_below`).
-        # Never in place of a move up: a burst above a settled B moves it up, and it comes down after
-        # the (damped) timeout; a plan that overrates B would otherwise hold it while the queue builds.
-        target = min(target, current)
-        return self.settled_below(target, rate, capacity) or target
+        return target if max(b_tilde, estimated or 0) > current else min(target, current)
 
     def most(self, capacity: Callable[[int], float | None], at_least: int | None = None) -> int:
         """The B up to ``max_batch`` (and from ``at_least``) that serves the most (the smallest of equals);
@@ -841,8 +730,6 @@ class Policy:
             return "estimate"
         if target == worth:
             return f"estimate (B̃={estimated} serves no more)"
-        if target < worth:
-            return f"estimate (B̃={estimated}; B={target} carries the arrivals, its stream under 2B)"
         return f"estimate (B̃={estimated}; the arrivals need B={target})"
 
     def _triggered(self, now: float, current: int, b_tilde: int, q_tilde: float | None,

@@ -121,14 +121,6 @@ class Settings(BaseSettings):
         description="A move down that needs new processes (active-passive) waits this many times the last such "
                     "change's over-subscribed seconds beyond its timeout: it must be worth the switch.",
     )
-    estimator_capacity_margin: float = Field(
-        default=0.2, ge=0, lt=1,
-        description="A B carries the load when its capacity exceeds the arrivals by this share at B=1; less at "
-                    "larger B, whose batches arrive more regularly, down to estimator_min_capacity_margin.",
-    )
-    estimator_min_capacity_margin: float = Field(
-        default=0.1, ge=0, lt=1, description="The least capacity margin at any B (the measured rate's own noise).",
-    )
     adaptive_min_batch: int = Field(default=1, ge=1, description="Smallest B the estimator asks for.")
     adaptive_max_batch: int = Field(default=32, ge=1, description="Largest B the estimator asks for.")
     trigger_period_s: float = Field(
