@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -48,14 +49,15 @@ RESULTS = Path(__file__).resolve().parent / "results"
 PREDICTION_TARGET = 0.10
 
 
-def profiles_used(models: list[str]) -> dict[str, dict[str, Any]]:
-    """Which profile each model was planned from: placement, mode and machine, so a figure says what it tested."""
+def profiles_used(models: list[str], paths: dict[str, Path] | None = None) -> dict[str, dict[str, Any]]:
+    """Which profile each model was planned from: placement, mode, machine and when, so a figure says what it tested."""
     out = {}
     for model in models:
-        path = resolve_profile_path(model)
+        path = (paths or {}).get(model) or resolve_profile_path(model)
         prof = Profile.load(path)
         out[model] = {"path": str(path), "placement": prof.placement, "mode": prof.mode,
-                      "cpu": prof.machine.cpu_model if prof.machine else None}
+                      "cpu": prof.machine.cpu_model if prof.machine else None,
+                      "profiled": prof.machine.date if prof.machine else None}
     return out
 
 
@@ -74,9 +76,33 @@ def _ordered(config: Configuration) -> Configuration:
                          predicted_latency_ms=config.predicted_latency_ms)
 
 
+def profile_now(url: str, model: str, directory: Path, batches: list[int]) -> Path:
+    """Profile ``model`` here and now, and its serving path, as a user would (``profile run --fresh``, then
+    ``profile path``), into ``directory``; returns the profile's path.
+
+    The prediction is what a profile says of serving, and a shared host
+    drifts: on 2026-12-03 the same MiniLM profiled 5-22% slower at 12:57
+    than at 06:36, and a profile taken before all four models are served
+    is 13 minutes old by the fourth. Profiled right before its model is
+    served, the comparison holds the profile to its own minutes.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{model}.json"
+    exe = [sys.executable, "-m", "packrat_mq"]
+    started = time.monotonic()
+    subprocess.run(exe + ["profile", "run", "--model", model, "--fresh", "--batches", ",".join(map(str, batches)),
+                          "-o", str(path)], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(exe + ["profile", "path", "--model", model, "--profile", str(path), "--max-batch",
+                          str(max(batches)), "--redis-url", url, "--prefix", f"bench-path-{model}"],
+                   check=True, stdout=subprocess.DEVNULL)
+    print(f"[{model}] profiled now in {time.monotonic() - started:.0f} s: {path}", file=sys.stderr, flush=True)
+    return path
+
+
 def bench_model(url: str, model: str, threads: int, batches: list[int], rounds: int, warmup: int,
-                warmup_s: float = WARMUP_S, measure_s: float = 0.0) -> list[dict[str, Any]]:
-    profile = Profile.load(resolve_profile_path(model))
+                warmup_s: float = WARMUP_S, measure_s: float = 0.0,
+                profile_path: Path | None = None) -> list[dict[str, Any]]:
+    profile = Profile.load(profile_path or resolve_profile_path(model))
     plans: dict[tuple[int, ...], list[tuple[int, str, Configuration]]] = defaultdict(list)
     for b in batches:
         for name, config in strategies(profile, threads, b).items():
@@ -212,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds of timed batches at least, past --rounds (default %(default)s: a small model's "
                          "ten batches are tens of milliseconds)")
     ap.add_argument("--json-out", default=str(RESULTS / "configs.json"))
+    ap.add_argument("--profile-now", type=Path, default=None, metavar="DIR",
+                    help="profile each model (and its path) into DIR right before serving it, and plan and predict "
+                         "from that profile instead of the committed one")
     ap.add_argument("--report", type=Path, default=None,
                     help="print the Markdown table of a finished run's JSON and exit (measures nothing)")
     ap.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
@@ -227,10 +256,13 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(x) for x in args.batches.split(",")]
     rows: list[dict[str, Any]] = []
     started = time.time()
+    fresh: dict[str, Path] = {}
     with EmbeddedRedis(announce=False) as server:
         for model in args.models.split(","):
+            if args.profile_now is not None:
+                fresh[model] = profile_now(server.url, model, args.profile_now, batches)
             rows.extend(bench_model(server.url, model, threads, batches, args.rounds, args.warmup, args.warmup_s,
-                                    args.measure_s))
+                                    args.measure_s, profile_path=fresh.get(model)))
     out = Path(args.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
     errors = [abs(r["prediction_error"]) for r in rows if r["prediction_error"] is not None]
@@ -238,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps({"benchmark": "configurations", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                                "cpus": os.cpu_count(), "threads": threads, "rounds": args.rounds, "warmup": args.warmup,
                                "warmup_s": args.warmup_s, "measure_s": args.measure_s,
-                               "profiles": profiles_used(args.models.split(",")),
+                               "profiles": profiles_used(args.models.split(","), fresh),
+                               "profiled_now": args.profile_now is not None,
                                "prediction_within_10pct": f"{within} of {len(errors)}",
                                "elapsed_s": time.time() - started, "rows": rows}, indent=2))
     plot(rows, out.with_suffix(".png"))
