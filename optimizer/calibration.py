@@ -36,6 +36,7 @@ from packrat_mq.connection import connect
 from packrat_mq.handler import Context, load_handler, run_batch
 from packrat_mq.instances import Configuration
 from packrat_mq.settings import Settings
+from packrat_mq.topology import Topology
 from workers.supervisor import Supervisor
 
 
@@ -232,34 +233,9 @@ def example_reply(model: str, options: dict[str, Any] | None = None) -> tuple[by
     return protocol.encode_payload(outcome.value)
 
 
-def measure_path(
-    url: str,
-    settings: Settings,
-    model: str,
-    batches: list[int],
-    *,
-    rounds: int = 15,
-    warmup: int = 3,
-    progress: Callable[[str], None] | None = None,
-    options: dict[str, Any] | None = None,
-) -> dict[int, float]:
-    """What the service adds to a batch of each size of ``model``'s example requests, in ms.
-
-    The profile times ``handler.handle`` alone; a caller also waits for the
-    requests' XADDs, the dispatcher, the worker's payload fetch and decode,
-    the replies and their reads. That is measured here by serving the model's
-    own example payloads (their size and content type are what costs) to
-    one instance of a handler that does nothing (``PATH_HANDLER``) but
-    answer each with the model's own reply (:func:`example_reply`, the
-    model built with ``options``; the stand-in's few bytes if it cannot
-    answer): the median batch latency, as :func:`time_batches` measures it,
-    less the handler's reported time. Measured here: 1.2-3.3 ms for MiniLM's text batches of 1
-    to 32 with the stand-in's reply, 1.5-17 ms for ResNet-50's images
-    (docs/figures.md).
-    """
-    settings = settings.model_copy(update={"batch_timeout_ms": 50.0})
-    r = connect(url)
-    out: dict[int, float] = {}
+def _stand_in_options(model: str, options: dict[str, Any] | None,
+                      progress: Callable[[str], None] | None) -> dict[str, Any]:
+    """The no-op stand-in's options: no sleep, and the model's own reply where it can give one."""
     stand_in: dict[str, Any] = {"base_ms": 0}
     try:
         payload, content_type = example_reply(model, options)
@@ -271,12 +247,66 @@ def measure_path(
         stand_in.update(reply=base64.b64encode(payload).decode("ascii"), reply_content_type=content_type)
         if progress:
             progress(f"replies as {model}'s own: {len(payload)} bytes of {content_type}")
-    with Supervisor(r, settings, url, model, Configuration.uniform(1, 1, max(batches)), handler=PATH_HANDLER,
-                    options=stand_in) as service:
+    return stand_in
+
+
+def measure_path(
+    url: str,
+    settings: Settings,
+    model: str,
+    batches: list[int],
+    *,
+    rounds: int = 15,
+    warmup: int = 3,
+    progress: Callable[[str], None] | None = None,
+    options: dict[str, Any] | None = None,
+    stand_in: bool = False,
+    threads: int | None = None,
+) -> dict[int, float]:
+    """What the service adds to a batch of each size of ``model``'s example requests, in ms.
+
+    The profile times ``handler.handle`` alone; a caller also waits for the
+    requests' XADDs, the dispatcher, the worker's payload fetch and decode,
+    the replies and their reads. That is measured here by serving the
+    model's own example payloads (their size and content type are what
+    costs): the median, over the rounds, of each batch's latency (as
+    :func:`time_batches` measures it) less its handler's reported time.
+
+    By default the model itself serves, one instance of ``threads`` (the
+    socket's cores). That is the path as it runs after a real batch: the
+    dispatcher, Redis and the caller wake on cores the model has just
+    filled with its own memory, and each request gets its own reply.
+    Measured with the no-op stand-in instead, MiniLM's served batches spent
+    0.3-1.7 ms more beyond the handler than the stand-in's path said, 5-10%
+    of its 6-20 ms batches, in four runs of ``bench_configs --profile-now``
+    (docs/figures.md).
+
+    ``stand_in``: one 1-thread instance of a handler that does nothing
+    (``PATH_HANDLER``) but answer each request with the model's own reply
+    (:func:`example_reply`, the model built with ``options``; the
+    stand-in's few bytes if it cannot answer). Quicker (no model runs:
+    GPT-2's batch of 32 takes 3 s), and it serves where the model cannot.
+    With it: 1.2-3.3 ms for MiniLM's text batches of 1 to 32, 1.5-17 ms
+    for ResNet-50's images (docs/figures.md).
+    """
+    settings = settings.model_copy(update={"batch_timeout_ms": 50.0})
+    r = connect(url)
+    out: dict[int, float] = {}
+    if stand_in:
+        handler: str | None = PATH_HANDLER
+        instance_threads = 1
+        served_options = _stand_in_options(model, options, progress)
+    else:
+        handler, served_options = None, dict(options or {})
+        instance_threads = threads or Topology.detect().max_cores_per_socket
+        if progress:
+            progress(f"served by {model} itself: one instance of {instance_threads} threads")
+    with Supervisor(r, settings, url, model, Configuration.uniform(1, instance_threads, max(batches)),
+                    handler=handler, options=served_options) as service:
         client = Client(connect(url), prefix=settings.prefix)
         try:
             for b in sorted(batches):
-                config = Configuration.uniform(1, 1, b)
+                config = Configuration.uniform(1, instance_threads, b)
                 service.reshare(config)
                 m = time_batches(client, model, example_payloads(model, b), Measured(config, None),
                                  rounds=rounds, warmup=warmup, timeout=120)

@@ -86,11 +86,24 @@ def test_path_cost_is_interpolated_and_added_to_predictions(tmp_path: Path) -> N
 
 
 def test_measure_path_serves_the_models_own_payloads_with_a_no_op_handler(redis_url: str, settings: Settings) -> None:
-    costs = measure_path(redis_url, settings, "minilm", [1, 4], rounds=3, warmup=1)
+    said: list[str] = []
+    costs = measure_path(redis_url, settings, "minilm", [1, 4], rounds=3, warmup=1, stand_in=True,
+                         progress=said.append)
     assert sorted(costs) == [1, 4]
     # Round trips through Redis, the dispatcher and a worker: positive, and far below
     # MiniLM's own 8 ms per batch (no model ran).
     assert all(0.0 < ms < 200.0 for ms in costs.values()), costs
+    assert said[0].startswith("replies as minilm's own")
+
+
+def test_measure_path_by_default_serves_the_model_itself(redis_url: str, settings: Settings) -> None:
+    """The path as it runs after a real batch: latency less the model's own reported handler time."""
+    said: list[str] = []
+    costs = measure_path(redis_url, settings, "minilm", [1, 2], rounds=3, warmup=1, threads=1, progress=said.append)
+    assert sorted(costs) == [1, 2]
+    assert said[0] == "served by minilm itself: one instance of 1 threads"
+    # What the service adds, not the model's 8-15 ms: its handler time is taken off each batch.
+    assert all(0.0 < ms < 100.0 for ms in costs.values()), costs
 
 
 def test_the_path_is_measured_with_the_models_own_reply() -> None:
@@ -108,7 +121,7 @@ def test_the_path_is_measured_with_the_models_own_reply() -> None:
 def test_a_model_that_cannot_answer_is_measured_with_the_stand_ins_reply(redis_url: str, settings: Settings) -> None:
     said: list[str] = []
     costs = measure_path(redis_url, settings, "sleep", [1], rounds=2, warmup=1, options={"base_ms": "not a number"},
-                         progress=said.append)
+                         progress=said.append, stand_in=True)
     assert sorted(costs) == [1]
     assert "could not answer its example request" in said[0] and "stand-in's reply" in said[0]
 

@@ -2,8 +2,8 @@
 
 A profile times the handler alone; a caller also waits for Redis, the
 dispatcher and the worker's payload handling. This command measures that
-cost per batch size with the model's own example payloads and a no-op
-handler (:func:`optimizer.calibration.measure_path`) and stores it in the
+cost per batch size with the model's own example payloads, served by the
+model itself or a no-op stand-in (:func:`optimizer.calibration.measure_path`), and stores it in the
 profile (``path_ms``), so predicted latencies are what a caller sees. It
 lives apart from ``profile show`` and ``import`` because it serves for real.
 """
@@ -27,16 +27,21 @@ from packrat_mq.settings import Settings
               help="Measure batches 1, 2, 4, ... up to this size.")
 @click.option("--rounds", type=click.IntRange(min=1), default=15, show_default=True,
               help="Timed batches per size (after 3 warm-up batches); the median is kept.")
+@click.option("--stand-in", "stand_in", is_flag=True,
+              help="Serve with a no-op handler instead of the model: quicker, and it serves where the model "
+                   "cannot, but it misses what a real batch leaves behind (0.3-1.7 ms for MiniLM).")
 @click.option("--json", "as_json", is_flag=True, help="Print {batch: ms} as JSON.")
 @redis_options
-def path(model: str, profile_ref: str | None, max_batch: int, rounds: int, as_json: bool,
+def path(model: str, profile_ref: str | None, max_batch: int, rounds: int, stand_in: bool, as_json: bool,
          settings: Settings) -> None:
     """Measure the serving path's cost per batch size and store it in the model's profile.
 
     Serves the model's own example requests (their size and type are what
-    costs) through Redis, the dispatcher and one worker whose handler does
-    nothing, and keeps the median batch latency per batch size. Predicted
-    latencies (``up``, ``optimize``) then include it.
+    costs) through Redis, the dispatcher and one worker of the model with
+    all the socket's cores (or a no-op stand-in, ``--stand-in``), and
+    keeps the median of each batch's latency less its handler's time per
+    batch size. Predicted latencies (``up``, ``optimize``) then include it.
+    The model is served in the profile's mode (eager or its graph backend).
 
     \b
     Examples:
@@ -53,9 +58,10 @@ def path(model: str, profile_ref: str | None, max_batch: int, rounds: int, as_js
     try:
         with url_or_private_redis(settings.redis_url) as url:
             # Its own prefix: a deployment of the same model on a shared Redis is not touched.
-            measuring = settings.model_copy(update={"redis_url": url, "prefix": f"{settings.prefix}-path"})
+            measuring = settings.model_copy(update={"redis_url": url, "prefix": f"{settings.prefix}-path",
+                                                    "graph_mode": prof.mode})
             costs = measure_path(url, measuring, model, power_of_two_batches(max_batch), rounds=rounds,
-                                 progress=say)
+                                 progress=say, stand_in=stand_in)
     except RuntimeError as exc:
         raise click.ClickException(str(exc)) from None
     prof.path_ms = {**prof.path_ms, **costs}
