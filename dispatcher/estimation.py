@@ -577,9 +577,7 @@ class Policy:
     def effective(self, capacity: Callable[[int], float | None] | None,
                   now: float) -> Callable[[int], float | None] | None:
         """``capacity``, with what each B was measured to serve (:meth:`measured`) in place of its plan."""
-        if capacity is None or not self.served:
-            return capacity
-        served = self.measured(now)
+        served = self.measured(now) if capacity is not None else {}
         if not served:
             return capacity
 

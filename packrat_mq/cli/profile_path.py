@@ -3,9 +3,10 @@
 A profile times the handler alone; a caller also waits for Redis, the
 dispatcher and the worker's payload handling. This command measures that
 cost per batch size with the model's own example payloads, served by the
-model itself or a no-op stand-in (:func:`optimizer.calibration.measure_path`), and stores it in the
-profile (``path_ms``), so predicted latencies are what a caller sees. It
-lives apart from ``profile show`` and ``import`` because it serves for real.
+model itself or a no-op stand-in (:func:`optimizer.calibration.measure_path`),
+and stores it in the profile (``path_ms``), so predicted latencies are what a
+caller sees. It lives apart from ``profile show`` and ``import`` because it
+serves for real.
 """
 from __future__ import annotations
 
