@@ -23,6 +23,7 @@ from optimizer.planning.profile import (
     _cpu_design,
     _machine_topology,
     as_table,
+    machine_profile_path,
     profile_filename,
     profile_path,
     resolve_profile_path,
@@ -235,6 +236,71 @@ def test_resolve_profile_path(tmp_path, monkeypatch):
         resolve_profile_path("nosuchmodel")
     with pytest.raises(ProfileError, match="no profile file at"):
         resolve_profile_path("elsewhere/toy.json")
+
+
+XEON = MachineInfo(cpu_model="Intel(R) Xeon(R) Processor", cpu_id="GenuineIntel family 6 model 167 stepping 1",
+                   cpu_isa=("avx2", "avx512f", "amx_tile"), sockets=1, physical_cores=2)
+EPYC = MachineInfo(cpu_model="AMD EPYC", cpu_id="AuthenticAMD family 25 model 1 stepping 1", cpu_isa=("avx2",),
+                   sockets=1, physical_cores=2)
+
+
+def test_machine_keys_name_the_machine_and_tell_apart_what_differences_tell_apart():
+    assert EPYC.key.startswith("amd-epyc-25-1-2c-") and XEON.key.startswith("intel-xeon-6-167-2c-")
+    assert EPYC.key == MachineInfo(**{**EPYC.model_dump(), "hostname": "other", "date": "x"}).key  # not compared
+    hidden = MachineInfo(**{**XEON.model_dump(), "cpu_isa": ("avx2",)})  # a VM that hides AVX-512
+    assert XEON.differences(hidden) and XEON.key != hidden.key
+    bigger = MachineInfo(**{**EPYC.model_dump(), "physical_cores": 16})
+    assert bigger.key.startswith("amd-epyc-25-1-16c-")
+    assert MachineInfo().key.startswith("unknown-")
+    assert EPYC.matches(EPYC) and not EPYC.matches(XEON) and not MachineInfo().matches(EPYC)
+
+
+def test_a_second_machines_profile_goes_beside_the_first_and_each_machine_finds_its_own(tmp_path):
+    root = tmp_path / "profiles"
+    assert machine_profile_path("toy", directory=root, here=XEON) == root / "toy.json"  # a free slot
+    xeon = make_profile(machine=XEON).save(root / "toy.json")
+    assert machine_profile_path("toy", directory=root, here=XEON) == xeon  # its own: resumed, re-run
+    slot = machine_profile_path("toy", directory=root, here=EPYC)
+    assert slot == root / "machines" / EPYC.key / "toy.json"  # not over the Xeon's
+    # One profile: whatever machine it is from, it is the one (the caller warns).
+    assert resolve_profile_path("toy", [root], here=EPYC) == xeon
+    epyc = make_profile(machine=EPYC).save(slot)
+    assert machine_profile_path("toy", directory=root, here=EPYC) == epyc
+    assert resolve_profile_path("toy", [root], here=EPYC) == epyc
+    assert resolve_profile_path("toy", [root], here=XEON) == xeon
+    third = MachineInfo(cpu_model="Imaginary CPU 9000", physical_cores=64, sockets=1)
+    assert resolve_profile_path("toy", [root], here=third) == xeon  # none of its own: the directory's file
+    # Modes stay apart in the machines' slots too.
+    with pytest.raises(ProfileError, match="no compile profile"):
+        resolve_profile_path("toy", [root], mode="compile", here=EPYC)
+    graph = make_profile(mode="compile", machine=EPYC).save(root / "machines" / EPYC.key / "toy.compile.json")
+    assert resolve_profile_path("toy", [root], mode="compile", here=XEON) == graph
+    # A directory earlier in the search finds its own file before a later one's machine slot.
+    local = tmp_path / "cwd-profiles"
+    mine = make_profile(machine=EPYC).save(local / "toy.json")
+    assert resolve_profile_path("toy", [local, root], here=EPYC) == mine
+    assert resolve_profile_path("toy", [local, root], here=XEON) == xeon
+
+
+def test_profile_list_marks_the_file_used_on_this_machine(tmp_path, monkeypatch):
+    here = MachineInfo.current()
+    if here.cpu_model is None:
+        pytest.skip("this machine's CPU model is unknown")
+    monkeypatch.chdir(tmp_path)
+    other = XEON if here.differences(XEON) else EPYC
+    theirs = make_profile(machine=other).save(Path("profiles/toy.json"))
+    mine = make_profile(machine=here).save(Path("profiles/machines") / here.key / "toy.json")
+    (Path("profiles") / "broken.json").write_text("{")
+    rows = json.loads(invoke("list", "--json").output)
+    ours = {Path(r["path"]).resolve(): r for r in rows if r.get("model") == "toy"}
+    assert ours[mine.resolve()]["used"] is True and ours[mine.resolve()]["matches_this_machine"] is True
+    assert ours[theirs.resolve()]["used"] is False and ours[theirs.resolve()]["matches_this_machine"] is False
+    assert ours[mine.resolve()]["machine_key"] == here.key
+    assert any(r["path"].endswith("broken.json") and "error" in r for r in rows)
+    text = invoke("list").output
+    assert f"this machine: {here.summary()} [{here.key}]" in text
+    (line,) = [ln for ln in text.splitlines() if ln.strip().startswith("*") and "toy.json" in ln]
+    assert str(Path("machines") / here.key / "toy.json") in line
 
 
 # ----------------------------------------------------------------------- CLI

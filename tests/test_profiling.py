@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import redis
 
-from optimizer.planning.profile import FORMAT_VERSION, Profile
+from optimizer.planning.profile import FORMAT_VERSION, MachineInfo, Profile, ProfileEntry
 from optimizer.profiling.jobs import enqueue_profile
 from optimizer.profiling.options import (
     ProfilingError,
@@ -142,6 +142,25 @@ def test_echo_profile_and_resume(tmp_path: Path) -> None:
         profile_model(_quick("echo", graph="torchscript"), out, progress=False)
     assert default_output("echo", "torchscript") == Path("profiles/echo.torchscript.json")
     assert _quick("echo", graph=True).mode == graph_modes.default_backend("echo")  # jobs queued as booleans
+
+
+def test_profiling_a_second_kind_of_machine_keeps_the_first_ones_profile(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    here = MachineInfo.current()
+    if here.cpu_model is None:
+        pytest.skip("this machine's CPU model is unknown")
+    monkeypatch.chdir(tmp_path)
+    other = MachineInfo(cpu_model="Imaginary CPU 9000", sockets=1, physical_cores=64)
+    theirs = Profile(model="echo", machine=other,
+                     entries=(ProfileEntry(threads=1, batch=1, mean_ms=1.0),)).save(Path("profiles/echo.json"))
+    before = theirs.read_text()
+    report = profile_model(_quick("echo", max_iters=10), None, progress=False)
+    assert report.path == Path("profiles") / "machines" / here.key / "echo.json"
+    assert theirs.read_text() == before  # the other machine's profile is untouched
+    assert Profile.load(report.path).machine.matches(here)
+    assert default_output("echo") == report.path  # the next run here resumes its own
+    again = profile_model(_quick("echo", batches=[1, 2, 4], max_iters=10), None, progress=False)
+    assert again.path == report.path and again.resumed == 2
 
 
 def test_interrupt_keeps_points_and_rerun_resumes(tmp_path: Path) -> None:

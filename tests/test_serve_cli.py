@@ -175,13 +175,31 @@ def test_up_warns_about_a_profile_of_another_machine_and_still_plans_from_it(
     assert path.name in warning and "another machine" in warning
     assert f"CPU 'Imaginary CPU 9000' vs {here.cpu_model!r}" in warning
     assert f"{other.cores_per_socket} vs {here.cores_per_socket} cores per socket" in warning
-    command = warning.split("(minutes): ", 1)[1]
+    command, where = warning.split("(minutes): ", 1)[1].split(" (written to ", 1)
     assert command.startswith("packrat-mq profile run --model toy --quick")
     assert ("--graph" in command) == (mode == "--graph")
-    assert command.endswith(f"--fresh -o {path}") or command.endswith(f"--fresh -o profiles/{path.name}")
+    # Found by the model's name: the advice leaves the other machine's file alone, and writes this
+    # machine's beside it, where the next lookup here takes it.
+    assert "-o" not in command.split() and "--fresh" not in command
+    assert where.startswith(f"profiles/machines/{here.key}/{path.name}, kept beside")
     # Serving a configuration given by hand reads the same profile, and says the same.
     plan, stderr = _plan("-i", "1x4", mode)
     assert any(line.startswith("warning:") and "Imaginary CPU 9000" in line for line in stderr.splitlines())
+
+
+def test_up_takes_this_machines_profile_from_beside_another_machines(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    here, other = _elsewhere()
+    theirs = _profile_from(tmp_path, other)
+    mine = Profile(model="toy", machine=here, entries=tuple(
+        ProfileEntry(threads=t, batch=b, mean_ms=ms) for (t, b), ms in {(2, 4): 10.0, (1, 2): 30.0}.items()))
+    mine = mine.save(tmp_path / "profiles" / "machines" / here.key / "toy.json")
+    monkeypatch.chdir(tmp_path)
+    plan, stderr = _plan("-t", "2", "-b", "4")
+    assert Path(plan["profile"]).resolve() == mine.resolve()
+    assert plan["configuration"] == "2x4"  # this machine's latencies, not the other's (which chose 1x2,1x2)
+    assert not [line for line in stderr.splitlines() if line.startswith("warning:")]
+    assert theirs.is_file()
 
 
 @pytest.mark.parametrize("machine", ["this", "unknown"])

@@ -70,3 +70,23 @@ def test_watch_streams_json_lines_until_ctrl_c(r: redis.Redis, settings: Setting
         assert proc.wait(10) == 0
     assert lines[0]["models"][0]["rates"] is None
     assert lines[1]["models"][0]["rates"]["requests_per_s"] == 0.0
+
+
+def test_the_prediction_at_the_speed_served_now(r: redis.Redis, settings: Settings) -> None:
+    keys = settings.keys
+    dep = Deployment(model="m1", handler="echo", predicted_latency_ms=40.0,
+                     instances=[InstanceRecord(id="n-g1-0", threads=2, batch=4, cpus=[0, 1])])
+    r.set(keys.config("m1"), dep.model_dump_json())
+    r.sadd(keys.models(), "m1")
+    doc = collect_status(r, keys)
+    assert doc["models"][0]["predicted_now_ms"] is None  # nothing served yet: no ratio
+    doc["redis_url"] = "redis://x"
+    assert "40.00 ms from the profile (served speed not measured yet)" in render(doc, "packrat")
+    for node, ratio in (("a", "1.5"), ("b", "1.25"), ("c", "1.3")):
+        r.sadd(keys.supervisors("m1"), node)
+        r.hset(keys.supervisor("m1", node), mapping={"pid": 1, "heartbeat": time.time(), "profile_ratio": ratio})
+    doc = collect_status(r, keys)
+    (m,) = doc["models"]
+    assert m["predicted_now_ms"] == 52.0  # the median node's ratio, 1.3
+    doc["redis_url"] = "redis://x"
+    assert "40.00 ms from the profile, 52.00 ms at the speed served now" in render(doc, "packrat")

@@ -26,6 +26,7 @@ import importlib.metadata
 import json
 import math
 import os
+import re
 import socket
 import tempfile
 from collections.abc import Iterable, Sequence
@@ -159,6 +160,29 @@ class MachineInfo(BaseModel):
         if mine and theirs and mine != theirs:
             out.append(f"{mine} vs {theirs} cores per socket")
         return out
+
+    def matches(self, other: MachineInfo) -> bool:
+        """Whether ``other`` is known to be this kind of machine: the CPU named, and no difference."""
+        return bool(self.cpu_model or self.cpu_id) and not self.differences(other)
+
+    @property
+    def key(self) -> str:
+        """A directory name for this kind of machine: ``amd-epyc-25-1-2c-4d1f0e``.
+
+        What :meth:`differences` compares, readable where it can be (the CPU's
+        name, family and model, cores per socket) and a short digest of the
+        whole (the design with its stepping, the vector extensions), so two
+        VMs of one name and family that differ in AVX-512 get two directories.
+        Lookups never trust the name: they compare the machine inside the file.
+        """
+        name = re.sub(r"[^a-z0-9]+", "-", (self.cpu_model or "unknown-cpu").lower())
+        name = re.sub(r"-(r|tm|processor|cpu)(?=-|$)", "", name).strip("-")[:32].strip("-") or "cpu"
+        numbers = re.findall(r"(?:family|model|part|implementer) (\w+)", self.cpu_id or "")
+        cores = self.cores_per_socket
+        whole = json.dumps([self.cpu_model, self.cpu_id, sorted(self.cpu_isa or ()), cores])
+        digest = hashlib.sha1(whole.encode()).hexdigest()[:6]
+        parts = [name, *numbers[:2], f"{cores}c" if cores else "", digest]
+        return "-".join(p for p in parts if p)
 
     def summary(self) -> str:
         """One line for humans, e.g. ``Intel Xeon ... 2 sockets, 32 cores, 64 CPUs``."""
@@ -704,9 +728,42 @@ def profile_filename(model: str, mode: str = "eager") -> str:
     return f"{model}.json" if mode == "eager" else f"{model}.{mode}.json"
 
 
+#: Beside a directory's profiles, other machines' profiles of the same models:
+#: ``<dir>/machines/<MachineInfo.key>/<model>.json`` (see :func:`resolve_profile_path`).
+MACHINES_DIR = "machines"
+
+
 def profile_path(model: str, mode: str = "eager", directory: str | os.PathLike[str] = "profiles") -> Path:
     """``<directory>/<model>.json``, or ``<directory>/<model>.<backend>.json`` for a graph backend."""
     return Path(directory) / profile_filename(model, mode)
+
+
+def machine_profile_path(model: str, mode: str = "eager", directory: str | os.PathLike[str] = "profiles",
+                         here: MachineInfo | None = None) -> Path:
+    """Where a new profile of ``model`` measured on ``here`` (default: this machine) goes.
+
+    The directory's own file (:func:`profile_path`) while it is free or holds
+    this machine's profile; once it holds another machine's, this machine's
+    own slot, ``<directory>/machines/<key>/<file>``, so profiling a second
+    kind of machine does not overwrite the first one's profile, and each
+    machine's lookup (:func:`resolve_profile_path`) finds its own.
+    """
+    default = profile_path(model, mode, directory)
+    here = here or MachineInfo.current()
+    own = Path(directory) / MACHINES_DIR / here.key / default.name
+    if own.is_file() or not default.is_file():
+        return own if own.is_file() else default
+    machine = profile_machine(default)
+    return default if machine is None or not machine.differences(here) else own
+
+
+def profile_machine(path: Path) -> MachineInfo | None:
+    """The machine recorded in the profile at ``path``, without validating the rest; None if unknown or unreadable."""
+    try:
+        data = json.loads(path.read_text())
+        return MachineInfo.model_validate(data["machine"]) if data.get("machine") else None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, ValidationError):
+        return None
 
 
 def default_profile_dirs() -> list[Path]:
@@ -719,15 +776,47 @@ def default_profile_dirs() -> list[Path]:
     return unique
 
 
+def profile_candidates(model: str, search_dirs: Sequence[Path] | None = None, *, mode: str = "eager") -> list[Path]:
+    """Every profile file of ``model`` in ``mode`` in ``search_dirs``, in the order lookups prefer them.
+
+    Each directory's own file first (``<model>.json``; for ``torchscript``
+    also the older ``<model>.graph.json``), directory by directory, then the
+    files of other machines (``<dir>/machines/*/``).
+    """
+    dirs = list(search_dirs) if search_dirs is not None else default_profile_dirs()
+    filename = profile_filename(model, mode)
+    names = [filename] + ([LEGACY_TORCHSCRIPT.format(model=model)] if mode == "torchscript" else [])
+    found: list[Path] = []
+    for name in names:
+        found += [d / name for d in dirs if (d / name).is_file()]
+    for name in names:
+        for d in dirs:
+            found += sorted(p for p in (d / MACHINES_DIR).glob(f"*/{name}") if p.is_file())
+    unique: list[Path] = []
+    for path in found:
+        if path.resolve() not in [u.resolve() for u in unique]:
+            unique.append(path)
+    return unique
+
+
 def resolve_profile_path(
-    name_or_path: str | os.PathLike[str], search_dirs: Sequence[Path] | None = None, *, mode: str = "eager"
+    name_or_path: str | os.PathLike[str], search_dirs: Sequence[Path] | None = None, *, mode: str = "eager",
+    here: MachineInfo | None = None,
 ) -> Path:
     """An existing file path as given, else a model name resolved to its profile in ``search_dirs``.
 
     A model name finds ``profiles/<model>.json``, or ``profiles/<model>.<backend>.json``
     for a graph backend (see ``profile_filename``; for ``torchscript`` also the
     older ``<model>.graph.json``); another mode's file is never taken instead.
-    A path is used as given, whatever mode it records.
+    Where several machines' profiles of the model are kept (``profiles/machines/*/``,
+    see :func:`machine_profile_path`), the first measured on a machine like
+    ``here`` (default: this one) is taken; when none is, the directory's own
+    file, and the caller's machine check says so. A path is used as given,
+    whatever mode it records.
+
+    Why keep several: a profile is only valid for its kind of machine, and one
+    fleet, or one cloud instance type, lands on several (this project's own
+    development VM has been three CPU designs in two days).
     """
     path = Path(name_or_path)
     if path.is_file():
@@ -738,12 +827,16 @@ def resolve_profile_path(
     if looks_like_path:
         raise ProfileError(f"no profile file at {path}")
     filename = profile_filename(text, mode)
-    names = [filename] + ([LEGACY_TORCHSCRIPT.format(model=text)] if mode == "torchscript" else [])
-    for name in names:
-        for d in dirs:
-            candidate = d / name
-            if candidate.is_file():
+    candidates = profile_candidates(text, dirs, mode=mode)
+    if len(candidates) == 1:
+        return candidates[0]
+    if candidates:
+        here = here or MachineInfo.current()
+        for candidate in candidates:
+            machine = profile_machine(candidate)
+            if machine is not None and machine.matches(here):
                 return candidate
+        return candidates[0]
     known = sorted({p.stem for d in dirs if d.is_dir() for p in d.glob("*.json")})
     raise ProfileError(
         f"no {'' if mode == 'eager' else mode + ' '}profile for model {text!r} ({filename}) "

@@ -35,6 +35,7 @@ from optimizer.planning.profile import (
     MachineInfo,
     Profile,
     ProfileError,
+    machine_profile_path,
     profile_filename,
     resolve_profile_path,
 )
@@ -90,7 +91,8 @@ def choose(model: str, threads: int, batch: int, profile: str | Path | None = No
                       f"no {profile_filename(model, mode)} profile for {model!r}{unused}: one instance with "
                       f"{threads} threads and batch {batch} (run `{command}` to let the optimizer choose)")
     loaded = Profile.load(path)
-    warning = machine_warning(loaded, path, handler or model, mode=mode, threads=threads, batch=batch)
+    warning = machine_warning(loaded, path, handler or model, mode=mode, threads=threads, batch=batch,
+                              named=profile is not None)
     calibrated = best_calibrated(loaded, threads, batch)
     if calibrated is not None:
         config, row = calibrated
@@ -109,13 +111,16 @@ def choose(model: str, threads: int, batch: int, profile: str | Path | None = No
 
 def machine_warning(profile: Profile, path: Path, model: str, *, mode: str = "eager",
                     threads: int | None = None, batch: int | None = None,
-                    here: MachineInfo | None = None) -> str | None:
+                    here: MachineInfo | None = None, named: bool = True) -> str | None:
     """What to tell the operator when ``profile`` was measured on another kind of machine; None if not.
 
     Compares the CPU model and the cores per socket with ``here`` (default:
     this machine); a field either side does not know (a CSV import knows
     none) is no difference. The advice is a quick profile of the (T, B) being
-    planned, written over ``path``.
+    planned: written over ``path`` when the operator ``named`` that file;
+    else (a profile found by the model's name) to the profiler's default,
+    which keeps ``path`` for its own machine and writes this machine's profile
+    beside it (``profiles/machines/<key>/``), where the next lookup here finds it.
     """
     if profile.machine is None:
         return None
@@ -123,11 +128,12 @@ def machine_warning(profile: Profile, path: Path, model: str, *, mode: str = "ea
     differences = profile.machine.differences(here)
     if not differences:
         return None
-    command = quick_profile_command(model, path, mode=mode, threads=threads, batch=batch)
+    command = quick_profile_command(model, path if named else None, mode=mode, threads=threads, batch=batch)
+    where = "" if named else f" (written to {machine_profile_path(profile.model, mode, here=here)}, kept beside {path})"
     return (
         f"warning: {path} was measured on another machine: {'; '.join(differences)} (profile vs this "
         f"machine). Its latencies may not hold here; serving from it anyway. To profile this machine "
-        f"(minutes): {command}"
+        f"(minutes): {command}{where}"
     )
 
 

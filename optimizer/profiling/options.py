@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from optimizer.planning.profile import DEFAULT_MAX_BATCH, Mode, Placement, ProfileError, profile_path
+from optimizer.planning.profile import DEFAULT_MAX_BATCH, Mode, Placement, ProfileError, machine_profile_path
 from packrat_mq import graph as graph_modes
 from packrat_mq.topology import Topology
 
@@ -117,9 +117,14 @@ def profile_name(model: str) -> str:
 
 
 def default_output(model: str, mode: str = "eager", directory: str | os.PathLike[str] = "profiles") -> Path:
-    """``profiles/<model>.json`` (eager) or ``profiles/<model>.<backend>.json``, named as every profile is."""
+    """``profiles/<model>.json`` (eager) or ``profiles/<model>.<backend>.json``, named as every profile is.
+
+    Unless that file holds another machine's profile: then this machine's own
+    slot, ``profiles/machines/<key>/<model>.json`` (``machine_profile_path``),
+    which lookups on this machine take and which leaves the other one's alone.
+    """
     try:
-        return profile_path(profile_name(model), mode, directory)
+        return machine_profile_path(profile_name(model), mode, directory)
     except ProfileError as exc:
         raise ProfilingError(f"cannot name the profile of {model!r}: {exc}") from None
 

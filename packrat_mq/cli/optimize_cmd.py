@@ -25,7 +25,7 @@ from packrat_mq.settings import Settings
 @click.command("optimize")
 @click.option(
     "--profile", "-p", "profile_ref", required=True, metavar="PROFILE",
-    help="Profile JSON file, or a model name looked up as profiles/<model>.json.",
+    help="Profile JSON file, or a model name looked up as profiles/<model>.json (this machine's, see `profile list`).",
 )
 @click.option(
     "--threads", "-t", type=click.IntRange(min=1), default=None,

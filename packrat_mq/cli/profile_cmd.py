@@ -14,6 +14,7 @@ import click
 import numpy as np
 
 from optimizer.planning.profile import (
+    MACHINES_DIR,
     LatencyTable,
     MODES,
     MachineInfo,
@@ -21,6 +22,7 @@ from optimizer.planning.profile import (
     Placement,
     Profile,
     ProfileError,
+    default_profile_dirs,
     profile_path,
     resolve_profile_path,
 )
@@ -44,7 +46,78 @@ def profile() -> None:
     Examples:
       packrat-mq profile import measurements.csv -o profiles/resnet50.json --model resnet50
       packrat-mq profile show resnet50 --plot resnet50.png
+      packrat-mq profile list
     """
+
+
+@profile.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON array, an object per profile file.")
+def list_profiles(as_json: bool) -> None:
+    """List every profile file that lookups by model name can find, and which one this machine uses.
+
+    Profiles sit in ./profiles and the installation's profiles/, each
+    directory's own files first and other machines' profiles of the same
+    models in profiles/machines/<machine>/ (a profile run on a second kind of
+    machine writes there instead of over the first one's). For each model and
+    mode, the file marked "used" is the one `up`, `optimize` and `profile
+    show MODEL` take on this machine: the first measured on a machine like
+    this one, else the directory's own file (with a warning where it is used).
+
+    \b
+    Examples:
+      packrat-mq profile list
+      packrat-mq profile list --json | jq '.[] | select(.used) | .path'
+    """
+    here = MachineInfo.current()
+    rows = []
+    for path in sorted(all_profile_files(), key=lambda p: (p.name, str(p))):
+        try:
+            prof = Profile.load(path)
+        except ProfileError as exc:
+            rows.append({"path": str(path), "error": str(exc)})
+            continue
+        try:
+            used = resolve_profile_path(prof.model, mode=prof.mode, here=here).resolve() == path.resolve()
+        except ProfileError:
+            used = False
+        machine = prof.machine
+        rows.append({
+            "path": str(path), "model": prof.model, "mode": prof.mode, "placement": prof.placement,
+            "machine": machine.model_dump() if machine else None,
+            "machine_key": machine.key if machine else None,
+            # null when the file does not say which machine it was measured on
+            "matches_this_machine": None if machine is None else machine.matches(here),
+            "used": used, "points": len(prof.entries), "path_measured": bool(prof.path_ms),
+        })
+    if as_json:
+        click.echo(json.dumps(rows))
+        return
+    if not rows:
+        click.echo("no profiles in " + ", ".join(str(d) for d in default_profile_dirs()))
+        return
+    click.echo(f"this machine: {here.summary()} [{here.key}]")
+    for row in rows:
+        if "error" in row:
+            click.echo(f"  !  {row['path']}: {row['error']}")
+            continue
+        machine = row["machine"] or {}
+        where = (f"{machine.get('cpu_model') or 'unknown CPU'}, {machine.get('cpu_id') or 'design unknown'}, "
+                 f"measured {str(machine.get('date') or '?')[:16]}")
+        match = {True: "this machine", False: "another machine", None: "machine unknown"}[row["matches_this_machine"]]
+        mark = "*" if row["used"] else " "
+        click.echo(f"  {mark}  {row['model']} ({row['mode']}, {row['points']} points) {row['path']}\n"
+                   f"       {match}: {where}")
+    click.echo("* the file used on this machine for its model and mode")
+
+
+def all_profile_files() -> list[Path]:
+    """Every profile file in the lookup directories, their own and other machines' (``machines/*/``)."""
+    found: list[Path] = []
+    for d in default_profile_dirs():
+        for path in [*d.glob("*.json"), *(d / MACHINES_DIR).glob("*/*.json")]:
+            if path.is_file() and path.resolve() not in [f.resolve() for f in found]:
+                found.append(path)
+    return found
 
 
 @profile.command("import")
@@ -106,7 +179,8 @@ def import_csv(
 def show(profile_ref: str, as_json: bool, plot: Path | None) -> None:
     """Print a profile as a threads x batch-size table of latencies (ms).
 
-    PROFILE is a path or a model name looked up as profiles/<model>.json.
+    PROFILE is a path or a model name looked up as profiles/<model>.json (this machine's own
+    from profiles/machines/ where another machine's holds that name; `profile list` shows all).
     The header says how the points were measured (co-located or isolated)
     and whether the profile's machine is this one.
 
@@ -136,7 +210,7 @@ def show(profile_ref: str, as_json: bool, plot: Path | None) -> None:
             "latency_ms": [[None if math.isnan(v) else v for v in row] for row in table.latency_ms.tolist()],
         }))
     else:
-        click.echo(_describe(prof, path, here))
+        click.echo(_describe(prof, path, here, named=Path(profile_ref).is_file()))
         click.echo(format_table(table))
     if plot is not None:
         plot_profile(table, f"{prof.model} ({prof.mode})", plot)
@@ -148,14 +222,14 @@ def _span(values: np.ndarray) -> str:
     return str(lo) if lo == hi else f"{lo}..{hi}"
 
 
-def _describe(prof: Profile, path: Path, here: MachineInfo) -> str:
+def _describe(prof: Profile, path: Path, here: MachineInfo, *, named: bool = True) -> str:
     if prof.machine is None:
         machine = "unknown machine (cannot tell whether it is this one)"
     else:
         differences = prof.machine.differences(here)
         if differences:
             verdict = (f"NOT this machine: {'; '.join(differences)} (profile vs this machine)"
-                       f"\n  profile this one: {quick_profile_command(prof.model, path, mode=prof.mode)}")
+                       f"\n  profile this one: {quick_profile_command(prof.model, path if named else None, mode=prof.mode)}")
         elif prof.machine.cpu_id:
             verdict = "matches this machine (CPU model, design and vector extensions, cores per socket)"
         else:

@@ -23,7 +23,7 @@ from packrat_mq.settings import Settings
 @click.command("path")
 @click.option("--model", required=True, help="Zoo name or module:Class whose example requests are sent.")
 @click.option("--profile", "profile_ref", default=None,
-              help="Profile to store the result in [default: profiles/<model>.json].")
+              help="Profile to store the result in [default: the model's profile for this machine, as `up` finds it].")
 @click.option("--max-batch", type=click.IntRange(min=1), default=32, show_default=True,
               help="Measure batches 1, 2, 4, ... up to this size.")
 @click.option("--rounds", type=click.IntRange(min=1), default=15, show_default=True,

@@ -75,7 +75,8 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
               help="Latency SLO: stop growing the batch at a thread count once slower than this "
               "(the profile then only plans under the SLO).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Profile file [default: profiles/<model>.json, profiles/<model>.<backend>.json in a graph mode].")
+              help="Profile file [default: profiles/<model>.json, profiles/<model>.<backend>.json in a graph mode; "
+              "profiles/machines/<this machine>/... when that file holds another machine's profile].")
 @click.option("--fresh", is_flag=True, help="Ignore points already in the output file and start over.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the run report as JSON.")

@@ -123,7 +123,7 @@ def choose_configuration(
             err(f"profile for splitting partial batches: {path}")
             try:
                 warning = machine_warning(Profile.load(path), path, handler or model, mode=graph,
-                                          threads=config.threads, batch=config.batch)
+                                          threads=config.threads, batch=config.batch, named=profile is not None)
             except ProfileError:
                 warning = None  # a broken file is the dispatcher's to report when it reads it
             if warning and not simulated:

@@ -7,6 +7,7 @@ States are shown as the heartbeats allow: a process whose record says
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from typing import Any
 
@@ -114,8 +115,25 @@ def collect_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
             })
             if sup is not None and sup.phase:
                 entry["reconfiguring"] = {"node": node, "phase": sup.phase, "to": sup.target}
+        entry["predicted_now_ms"] = predicted_now(entry)
         out["models"].append(entry)
     return out
+
+
+def predicted_now(entry: dict[str, Any]) -> float | None:
+    """The plan's predicted batch latency at the speed this machine serves now; None until measured.
+
+    ``up`` prints the profile's prediction when it starts, before anything is
+    served. The supervisors then measure served over profiled latency at their
+    instances' own (t, b) (``profile_ratio``, ``optimizer.planning.drift``): on a
+    host slower than its profile by 1.3x the plan's batches take 1.3x the
+    prediction, and this says so next to it (the median over the nodes).
+    """
+    predicted = entry.get("predicted_latency_ms")
+    ratios = [s["profile_ratio"] for s in entry.get("supervisors", []) if s.get("profile_ratio")]
+    if predicted is None or not ratios:
+        return None
+    return round(predicted * statistics.median(ratios), 3)
 
 
 def add_rates(doc: dict[str, Any], previous: dict[str, Any] | None, elapsed_s: float) -> None:
@@ -144,6 +162,11 @@ def render(doc: dict[str, Any], prefix: str) -> str:
                      + (f" of at most {bound}" if bound else "") + f", in flight {m['in_flight']}, "
                      + ", ".join(f"{k} {v}" for k, v in sorted(m["stats"].items()))
                      + (f"; {rates['requests_per_s']:.1f} req/s, {rates['replies_per_s']:.1f} replies/s" if rates else ""))
+        predicted, now = m.get("predicted_latency_ms"), m.get("predicted_now_ms")
+        if predicted is not None:
+            lines.append(f"  {'predicted per batch':<24} {predicted:.2f} ms from the profile"
+                         + (f", {now:.2f} ms at the speed served now" if now is not None else
+                            " (served speed not measured yet)"))
         est = m.get("estimate") or {}
         q = est.get("q_tilde")
         lines.append(f"  {'batch size':<24} " + ("adaptive" if m.get("adaptive") else "pinned")
