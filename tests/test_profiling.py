@@ -161,6 +161,15 @@ def test_profiling_a_second_kind_of_machine_keeps_the_first_ones_profile(
     assert default_output("echo") == report.path  # the next run here resumes its own
     again = profile_model(_quick("echo", batches=[1, 2, 4], max_iters=10), None, progress=False)
     assert again.path == report.path and again.resumed == 2
+    # The command says why the profile is not where the operator may look for it.
+    from click.testing import CliRunner
+
+    from packrat_mq.cli.profile_run import run
+    result = CliRunner().invoke(run, ["--model", "echo", "--threads-max", "1", "--batches", "1,2,4", "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert (f"profiles/echo.json holds another machine's profile (Imaginary CPU 9000, 1 socket, 64 cores); this "
+            f"machine's goes beside it, to {report.path}") in result.output
+    assert theirs.read_text() == before
 
 
 def test_interrupt_keeps_points_and_rerun_resumes(tmp_path: Path) -> None:

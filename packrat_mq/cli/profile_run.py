@@ -12,9 +12,16 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from optimizer.planning.profile import DEFAULT_MAX_BATCH
+from optimizer.planning.profile import DEFAULT_MAX_BATCH, MACHINES_DIR, profile_machine, profile_path
 from optimizer.profiling.jobs import enqueue_profile, profile_queue_name, result_name, worker_command
-from optimizer.profiling.options import QUICK_SCHEDULE, ProfilingError, ProfilingOptions, power_of_two_batches
+from optimizer.profiling.options import (
+    QUICK_SCHEDULE,
+    ProfilingError,
+    ProfilingOptions,
+    default_output,
+    power_of_two_batches,
+    profile_name,
+)
 from optimizer.profiling.scheduler import profile_model
 from packrat_mq.cli.helpers import (
     connect_or_fail,
@@ -182,6 +189,8 @@ def run(
     reports = []
     failed = interrupted = False
     for options in all_options:
+        if output is None and not as_json:
+            _say_where(options)
         try:
             report = profile_model(options, output, fresh=fresh, progress=not quiet and not as_json)
         except ProfilingError as exc:
@@ -199,6 +208,21 @@ def run(
         sys.exit(130)
     if failed:
         sys.exit(1)
+
+
+def _say_where(options: ProfilingOptions) -> None:
+    """Say why a profile goes to ``profiles/machines/<key>/``: the usual file holds another machine's."""
+    try:
+        path = default_output(options.model, options.graph)
+    except ProfilingError:
+        return  # profile_model reports it
+    if path.parent.parent.name != MACHINES_DIR:
+        return
+    usual = profile_path(profile_name(options.model), options.graph)
+    theirs = profile_machine(usual)
+    if theirs is not None:
+        click.echo(f"{usual} holds another machine's profile ({theirs.summary()}); this machine's goes beside "
+                   f"it, to {path}, where lookups on this machine find it", err=True)
 
 
 def _enqueue(
