@@ -148,6 +148,9 @@ CASES: dict[str, dict[str, tuple[list[str], str]]] = {
         "bad arguments": (["profile", "show"], "Missing argument 'PROFILE'"),
         "missing profile": (["profile", "show", MISSING], "no profile file at " + MISSING),
     },
+    "profile list": {
+        "bad arguments": (["profile", "list", "--nosuch"], "No such option '--nosuch'"),
+    },
     "profile import": {
         "bad arguments": (["profile", "import"], "Missing argument 'FILE.csv'"),
         "bad model": (["profile", "import", PROFILE, "--model", "bad name"], "model name 'bad name'"),

@@ -272,6 +272,7 @@ def test_optimize_text_by_model_name_and_default_threads(saved_profile, monkeypa
     assert "predicted latency: 7.000 ms" in result.output
     assert "on 4 threads" in result.output
     assert "configuration: 2x4,2x2" in result.output
+    assert f"profile: {Path('profiles') / 'toy.json'}" in result.output.replace(str(saved_profile.parent.parent) + "/", "")
 
 
 def test_configuration_compact_reads_back():
