@@ -469,6 +469,8 @@ def test_resume_refuses_other_vector_extensions(tmp_path: Path) -> None:
     other = tuple(sorted(here ^ {"avx512f"}))
     profile.machine = profile.machine.model_copy(update={"cpu_isa": other})
     profile.save(out)
-    with pytest.raises(ProfilingError, match="another machine.*vector extensions.*--fresh"):
+    with pytest.raises(ProfilingError, match="another machine.*vector extensions.*--fresh") as refused:
         profile_model(_quick("echo", batches=[1, 2, 4], max_iters=5), out, progress=False)
     assert len(Profile.load(out).entries) == 2  # nothing was added to the other machine's points
+    # And where a run without -o would write this machine's own: here the usual file, being free.
+    assert str(refused.value).endswith("(without -o, this machine's profile goes beside it: profiles/echo.json)")

@@ -330,9 +330,12 @@ def _load_for_resume(path: Path, options: ProfilingOptions, fresh: bool) -> Prof
             old.hostname and machine.hostname and old.hostname != machine.hostname) else []
         found += old.differences(machine)
         if found:
+            own = default_output(options.model, options.graph)
+            beside = (f" (without -o, this machine's profile goes beside it: {own})"
+                      if own.resolve() != path.resolve() else "")
             raise ProfilingError(
                 f"{path} was measured on another machine ({'; '.join(found)}); points from two machines "
-                f"would not make one profile: choose another -o, or --fresh to overwrite it"
+                f"would not make one profile: choose another -o, or --fresh to overwrite it{beside}"
             )
     if profile.machine is None:
         profile.machine = machine
