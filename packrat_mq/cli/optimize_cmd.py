@@ -60,9 +60,6 @@ def optimize(profile_ref: str, threads: int | None, batch: int, as_json: bool, c
       packrat-mq optimize -p minilm -t 2 -b 8 --calibrate --top-k 3
     """
     path, prof = load_profile(profile_ref)
-    if not as_json:
-        # Which file a model name found: several machines' profiles of one model may be kept (`profile list`).
-        click.echo(f"profile: {path} ({prof.machine.summary() if prof.machine else 'machine unknown'})", err=True)
     budget = threads if threads is not None else default_threads(prof)
     config = plan(prof, budget, batch, where=path)
     if calibrate:
@@ -70,6 +67,8 @@ def optimize(profile_ref: str, threads: int | None, batch: int, as_json: bool, c
     if as_json:
         click.echo(json.dumps(to_json(config)))
     else:
+        # Which file a model name found: several machines' profiles of one model may be kept (`profile list`).
+        click.echo(f"profile: {path} ({prof.machine.summary() if prof.machine else 'machine unknown'})")
         click.echo(describe(prof, config, budget))
 
 
