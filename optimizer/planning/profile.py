@@ -751,8 +751,10 @@ def machine_profile_path(model: str, mode: str = "eager", directory: str | os.Pa
     default = profile_path(model, mode, directory)
     here = here or MachineInfo.current()
     own = Path(directory) / MACHINES_DIR / here.key / default.name
-    if own.is_file() or not default.is_file():
-        return own if own.is_file() else default
+    if own.is_file():
+        return own
+    if not default.is_file():
+        return default
     machine = profile_machine(default)
     return default if machine is None or not machine.differences(here) else own
 
