@@ -768,14 +768,20 @@ def profile_machine(path: Path) -> MachineInfo | None:
         return None
 
 
+def unique_paths(paths: Iterable[Path]) -> list[Path]:
+    """``paths`` in their order, each file or directory once however it is spelled (``./profiles``, absolute)."""
+    seen: set[Path] = set()
+    unique: list[Path] = []
+    for path in paths:
+        if path.resolve() not in seen:
+            seen.add(path.resolve())
+            unique.append(path)
+    return unique
+
+
 def default_profile_dirs() -> list[Path]:
     """Where model names are looked up: ./profiles, then the repository's profiles/."""
-    dirs = [Path.cwd() / "profiles", Path(__file__).resolve().parents[2] / "profiles"]
-    unique: list[Path] = []
-    for d in dirs:
-        if d.resolve() not in [u.resolve() for u in unique]:
-            unique.append(d)
-    return unique
+    return unique_paths([Path.cwd() / "profiles", Path(__file__).resolve().parents[2] / "profiles"])
 
 
 def profile_candidates(model: str, search_dirs: Sequence[Path] | None = None, *, mode: str = "eager") -> list[Path]:
@@ -794,11 +800,7 @@ def profile_candidates(model: str, search_dirs: Sequence[Path] | None = None, *,
     for name in names:
         for d in dirs:
             found += sorted(p for p in (d / MACHINES_DIR).glob(f"*/{name}") if p.is_file())
-    unique: list[Path] = []
-    for path in found:
-        if path.resolve() not in [u.resolve() for u in unique]:
-            unique.append(path)
-    return unique
+    return unique_paths(found)
 
 
 def resolve_profile_path(

@@ -25,6 +25,7 @@ from optimizer.planning.profile import (
     default_profile_dirs,
     profile_path,
     resolve_profile_path,
+    unique_paths,
 )
 from optimizer.planning.selection import quick_profile_command
 
@@ -70,16 +71,20 @@ def list_profiles(as_json: bool) -> None:
     """
     here = MachineInfo.current()
     rows = []
+    # The file each (model, mode) resolves to here: one lookup each, not one per file of it.
+    chosen: dict[tuple[str, str], Path | None] = {}
     for path in sorted(all_profile_files(), key=lambda p: (p.name, str(p))):
         try:
             prof = Profile.load(path)
         except ProfileError as exc:
             rows.append({"path": str(path), "error": str(exc)})
             continue
-        try:
-            used = resolve_profile_path(prof.model, mode=prof.mode, here=here).resolve() == path.resolve()
-        except ProfileError:
-            used = False
+        if (prof.model, prof.mode) not in chosen:
+            try:
+                chosen[prof.model, prof.mode] = resolve_profile_path(prof.model, mode=prof.mode, here=here).resolve()
+            except ProfileError:
+                chosen[prof.model, prof.mode] = None
+        used = chosen[prof.model, prof.mode] == path.resolve()
         machine = prof.machine
         rows.append({
             "path": str(path), "model": prof.model, "mode": prof.mode, "placement": prof.placement,
@@ -112,12 +117,8 @@ def list_profiles(as_json: bool) -> None:
 
 def all_profile_files() -> list[Path]:
     """Every profile file in the lookup directories, their own and other machines' (``machines/*/``)."""
-    found: list[Path] = []
-    for d in default_profile_dirs():
-        for path in [*d.glob("*.json"), *(d / MACHINES_DIR).glob("*/*.json")]:
-            if path.is_file() and path.resolve() not in [f.resolve() for f in found]:
-                found.append(path)
-    return found
+    return unique_paths(path for d in default_profile_dirs()
+                        for path in [*d.glob("*.json"), *(d / MACHINES_DIR).glob("*/*.json")] if path.is_file())
 
 
 @profile.command("import")

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from optimizer.planning.profile import DEFAULT_MAX_BATCH, MACHINES_DIR, profile_machine, profile_path
+from optimizer.planning.profile import DEFAULT_MAX_BATCH, profile_machine, profile_path
 from optimizer.profiling.jobs import enqueue_profile, profile_queue_name, result_name, worker_command
 from optimizer.profiling.options import (
     QUICK_SCHEDULE,
@@ -189,10 +189,9 @@ def run(
     reports = []
     failed = interrupted = False
     for options in all_options:
-        if output is None and not as_json:
-            _say_where(options)
         try:
-            report = profile_model(options, output, fresh=fresh, progress=not quiet and not as_json)
+            target = output if output is not None else _default_output(options, say=not as_json)
+            report = profile_model(options, target, fresh=fresh, progress=not quiet and not as_json)
         except ProfilingError as exc:
             raise click.ClickException(str(exc)) from None
         reports.append(report)
@@ -210,19 +209,19 @@ def run(
         sys.exit(1)
 
 
-def _say_where(options: ProfilingOptions) -> None:
-    """Say why a profile goes to ``profiles/machines/<key>/``: the usual file holds another machine's."""
-    try:
-        path = default_output(options.model, options.graph)
-    except ProfilingError:
-        return  # profile_model reports it
-    if path.parent.parent.name != MACHINES_DIR:
-        return
+def _default_output(options: ProfilingOptions, *, say: bool) -> Path:
+    """Where the profile goes without ``-o`` (``default_output``), saying why when it is not the usual file.
+
+    It is not when the usual file holds another machine's profile: this
+    machine's then goes to its own ``profiles/machines/<key>/``.
+    """
+    path = default_output(options.model, options.graph)
     usual = profile_path(profile_name(options.model), options.graph)
-    theirs = profile_machine(usual)
+    theirs = profile_machine(usual) if say and path != usual else None
     if theirs is not None:
         click.echo(f"{usual} holds another machine's profile ({theirs.summary()}); this machine's goes beside "
                    f"it, to {path}, where lookups on this machine find it", err=True)
+    return path
 
 
 def _enqueue(
