@@ -19,7 +19,9 @@ Two ways to send the bytes (``--modes``), interleaved run by run (the
 order alternates), so their ratio is measured on the same host minutes:
 ``redis``, the payload in the request entry; ``shm``, the payload in a file
 in shared memory that the entry names (``Client(shared_memory=True)``, a
-producer on the serving host).
+producer on the serving host). Each also as ``-array``: the producer hands
+the client the array, which encodes it (into Redis through ``np.save``; into
+its payload file straight), rather than ready ``.npy`` bytes.
 
 Run: ``python -m benchmarks.bench_payload [--batch 8] [--rounds 200] [--modes redis,shm]``.
 """
@@ -58,7 +60,13 @@ def image_npy(seed: int = 0, size: int = 224) -> bytes:
 
 
 #: ``small``: an 896-byte ``.npy`` through Redis, the same path's floor without the large payload.
-MODES = ("redis", "shm", "small")
+#: ``-array``: the producer sends the float32 array, and the client encodes it (through ``np.save``
+#: into Redis; in shared memory, straight into its payload file); otherwise the ``.npy`` bytes.
+MODES = ("redis", "shm", "small", "redis-array", "shm-array")
+
+
+def image_array(seed: int = 0, size: int = 224) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((1, 3, size, size), dtype=np.float32)
 
 
 def run(url: str, batch: int, rounds: int, sleep_ms: float, warmup: int = 20, mode: str = "redis",
@@ -66,7 +74,8 @@ def run(url: str, batch: int, rounds: int, sleep_ms: float, warmup: int = 20, mo
     r = connect(url)
     r.flushdb()
     settings = Settings(redis_url=url, batch_timeout_ms=50.0, **({"shm_dir": shm_dir} if shm_dir else {}))
-    payload = image_npy(size=8 if mode == "small" else 224)
+    payload: bytes | np.ndarray = image_array() if mode.endswith("-array") else image_npy(
+        size=8 if mode == "small" else 224)
     threads = 1
     config = Configuration.parse(f"{threads}x{batch}")
     overhead: list[float] = []
@@ -82,7 +91,7 @@ def run(url: str, batch: int, rounds: int, sleep_ms: float, warmup: int = 20, mo
     # payload read as a memory map pays its page faults there (in inference_ms), so the end-to-end
     # figure is what compares the modes in full.
     with Supervisor(r, settings, url, "sleep", config, options={"base_ms": sleep_ms, "copy_inputs": True}):
-        client = Client(connect(url), shared_memory=mode == "shm", shm_dir=settings.shm_dir)
+        client = Client(connect(url), shared_memory=mode.startswith("shm"), shm_dir=settings.shm_dir)
         for k in range(warmup + rounds):
             ms, reps = client.time_batch("sleep", [payload] * batch, content_type=protocol.NPY)
             bad = [x.error for x in reps if not x.ok]
@@ -102,7 +111,7 @@ def run(url: str, batch: int, rounds: int, sleep_ms: float, warmup: int = 20, mo
         "end_to_end_p50_ms": float(np.percentile(end_to_end, 50)),
         "before_handler_p50_ms": float(np.percentile(before, 50)),
         "after_handler_p50_ms": float(np.percentile(after, 50)),
-        "payload_bytes": len(payload),
+        "payload_bytes": len(image_npy(size=8 if mode == "small" else 224)),
     }
 
 
@@ -115,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--url", default=None, help="a Redis URL (default: an embedded redis-server)")
     ap.add_argument("--modes", default="redis", help="comma-separated: redis (payload in the entry), "
                     "shm (payload in a shared-memory file the entry names), small (an 896-byte .npy "
-                    "through Redis: the path's floor); several are interleaved")
+                    "through Redis: the path's floor), redis-array and shm-array (the producer hands the "
+                    "client arrays to encode); several are interleaved")
     ap.add_argument("--shm-dir", default=None, help="payload directory for shm (default: PACKRAT_SHM_DIR or "
                     "/dev/shm/packrat)")
     ap.add_argument("--json-out", default=str(RESULTS / "payload.json"))

@@ -16,8 +16,8 @@ A client on the serving host can keep large payloads out of Redis
 (``shared_memory=True``): each payload of at least ``shm_min_bytes`` is
 written to a file in the host's payload directory and the request names it
 (``payload_shm``; :mod:`packrat_mq.shared_payloads`). The client keeps its
-files (``payload_shm_keep``) and writes the next payload into one whose
-reply has arrived; :meth:`Client.close` deletes them.
+files (``payload_shm_keep``), each mapped, and writes the next payload into one
+whose reply has arrived: one memory copy. :meth:`Client.close` deletes them.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import redis
 
 from packrat_mq import protocol, shared_payloads
@@ -142,6 +143,8 @@ class Client:
         #: request in flight. Named ``<random>-<n>``: this client's own.
         self._free_files: list[str] = []
         self._file_of: dict[str, str] = {}
+        #: Each file this client holds, mapped: the next payload is one memory copy into it.
+        self._mapped: dict[str, shared_payloads.MappedFile] = {}
         self._file_tag = uuid.uuid4().hex[:16]
         self._files_made = 0
 
@@ -149,25 +152,48 @@ class Client:
     def _fields(
         self, data: Any, content_type: str | None, timeout_s: float | None, request_id: str | None
     ) -> tuple[str, dict[str, Any]]:
+        rid = request_id or uuid.uuid4().hex
+        deadline = int((time.time() + timeout_s) * 1000) if timeout_s else None
+        if (self.payload_files is not None and isinstance(data, np.ndarray) and content_type in (None, protocol.NPY)
+                and data.nbytes >= self.shm_min_bytes):
+            # Straight into the payload file: one copy of the array, none through np.save's buffer.
+            name = self._write_file(*protocol.npy_parts(data))
+            self._file_of[rid] = name
+            return rid, protocol.request_fields(rid, self.reply_to, None, protocol.NPY, deadline,
+                                                payload_shm=name, keep=True)
         if content_type is None:
             payload, content_type = protocol.encode_payload(data)
         elif isinstance(data, bytes):
             payload = data  # already encoded as content_type says
         else:
             payload = protocol.encode_as(content_type, data)
-        rid = request_id or uuid.uuid4().hex
-        deadline = int((time.time() + timeout_s) * 1000) if timeout_s else None
         if self.payload_files is not None and len(payload) >= self.shm_min_bytes:
-            if self._free_files:
-                name = self._free_files.pop()
-            else:
-                self._files_made += 1
-                name = f"{self._file_tag}-{self._files_made}"
-            self.payload_files.rewrite(name, payload)
+            name = self._write_file(payload)
             self._file_of[rid] = name
             return rid, protocol.request_fields(rid, self.reply_to, None, content_type, deadline,
                                                 payload_shm=name, keep=True)
         return rid, protocol.request_fields(rid, self.reply_to, payload, content_type, deadline)
+
+    def _write_file(self, *parts: Any) -> str:
+        """Write a payload, in parts, to a free payload file of this client's (or a new one); returns its name.
+
+        The caller records it in ``_file_of`` under the request's id.
+        """
+        assert self.payload_files is not None
+        if self._free_files:
+            name = self._free_files.pop()
+        else:
+            self._files_made += 1
+            name = f"{self._file_tag}-{self._files_made}"
+        mapped = self._mapped.get(name)
+        if mapped is None:
+            mapped = self._mapped[name] = shared_payloads.MappedFile(self.payload_files, name)
+        try:
+            mapped.write(*parts)
+        except BaseException:
+            self._free_files.append(name)  # not sent: free again
+            raise
+        return name
 
     def _release_file(self, rid: str) -> None:
         """The request ``rid`` is answered (or was never applied): its payload file may be written again."""
@@ -177,6 +203,9 @@ class Client:
         if len(self._free_files) < self.shm_pool:
             self._free_files.append(name)
         else:
+            mapped = self._mapped.pop(name, None)
+            if mapped is not None:
+                mapped.close()
             self.payload_files.discard([name])
 
     def _refused(self, sent: Iterable[dict[str, Any]]) -> None:
@@ -308,6 +337,9 @@ class Client:
         A request still in flight then finds no payload file and is answered with an error.
         """
         if self.payload_files is not None:
+            for mapped in self._mapped.values():
+                mapped.close()
+            self._mapped.clear()
             self.payload_files.discard([*self._free_files, *self._file_of.values()])
             self._free_files.clear()
             self._file_of.clear()

@@ -235,6 +235,27 @@ def test_shared_memory_round_trip_reuses_the_clients_files(r: redis.Redis, setti
     assert os.listdir(settings.shm_dir) == []
 
 
+def test_arrays_go_straight_into_the_clients_mapped_payload_files(r: redis.Redis, prefix: str) -> None:
+    c = Client(r, prefix=prefix, shared_memory=True, shm_min_bytes=1000)
+    arr = np.asfortranarray(np.arange(600, dtype=np.float64).reshape(20, 30))
+    rid = c.send("m", arr)
+    [(sid, f)] = r.xrange(f"{prefix}:requests:m")
+    req = protocol.parse_request(sid, f, max_payload_bytes=1 << 20)
+    assert req.content_type == protocol.NPY and req.payload_shm == c._file_of[rid]
+    assert c.payload_files is not None
+    np.testing.assert_array_equal(protocol.decode_payload(protocol.NPY, c.payload_files.read(req.payload_shm, 1 << 20)),
+                                  arr)
+    assert set(c._mapped) == {req.payload_shm}
+    # Answered, the file is written again in place with the next array.
+    c._release_file(rid)
+    c.send("m", arr + 1)
+    np.testing.assert_array_equal(
+        protocol.decode_payload(protocol.NPY, c.payload_files.read(req.payload_shm, 1 << 20)), arr + 1)
+    assert len(os.listdir(c.payload_files.directory)) == 1
+    c.close()
+    assert c._mapped == {} and os.listdir(c.payload_files.directory) == []
+
+
 def test_refused_sends_free_their_payload_files(r: redis.Redis, prefix: str) -> None:
     c = Client(r, prefix=prefix, shared_memory=True, shm_min_bytes=10, shm_pool=1)
     r.set(f"{prefix}:requests:m", "not a stream")

@@ -12,7 +12,7 @@ import redis
 
 from packrat_mq import protocol, shared_payloads
 from packrat_mq.settings import Settings
-from packrat_mq.shared_payloads import PayloadBuffer, SharedPayloadError, SharedPayloads
+from packrat_mq.shared_payloads import MappedFile, PayloadBuffer, SharedPayloadError, SharedPayloads
 from tests.test_worker import make_worker, push, replies, request, step, text
 
 
@@ -104,6 +104,79 @@ def test_sweep_deletes_old_payload_files_only(files: SharedPayloads) -> None:
     assert files.sweep(older_than_s=600) == 1
     assert sorted(os.listdir(files.directory)) == sorted([fresh, ".not-ours"])
     assert SharedPayloads("/nonexistent/dir").sweep(1) == 0
+
+
+# --- a producer's files, kept mapped ---------------------------------------------------
+def test_mapped_file_writes_in_place_and_remakes_what_changed_under_it(files: SharedPayloads) -> None:
+    f = MappedFile(files, "p-1")
+    first = os.urandom(100_000)
+    f.write(first[:10], first[10:])  # parts, joined
+    assert files.read("p-1", 1 << 20) == first
+    ino = os.stat(files.path("p-1")).st_ino
+    second = os.urandom(100_000)
+    f.write(second)  # same size: a copy into the same file
+    assert files.read("p-1", 1 << 20) == second and os.stat(files.path("p-1")).st_ino == ino
+    f.write(b"short")  # another size: resized, and the service reads exactly the payload
+    assert files.read("p-1", 1 << 20) == b"short"
+    os.unlink(files.path("p-1"))  # the sweep deleted it: made again by name, not written unseen
+    f.write(second)
+    assert files.read("p-1", 1 << 20) == second
+    f.write(b"")  # nothing to map: written as an empty file
+    assert files.read("p-1", 10) == b""
+    f.write(first)
+    assert files.read("p-1", 1 << 20) == first
+    f.close()
+    assert files.read("p-1", 1 << 20) == first  # unmapping leaves the file
+
+
+def test_a_write_through_the_mapping_renews_the_files_age_for_the_sweep(files: SharedPayloads) -> None:
+    f = MappedFile(files, "p-2")
+    f.write(b"x" * 5000)
+    past = time.time() - 1000
+    os.utime(files.path("p-2"), (past, past))
+    f.write(b"y" * 5000)  # tmpfs does not date a write through a mapping; the writer does
+    assert files.sweep(older_than_s=600) == 0
+    assert files.read("p-2", 1 << 20) == b"y" * 5000
+    f.close()
+
+
+def test_no_room_for_a_mapped_file_is_an_error_at_the_write(files: SharedPayloads,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(fd: int, offset: int, size: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    f = MappedFile(files, "p-3")
+    with pytest.raises(OSError, match="No space left"):
+        f.write(b"z" * 5000)  # not a SIGBUS at the copy
+    monkeypatch.undo()
+    f.write(b"z" * 5000)
+    assert files.read("p-3", 1 << 20) == b"z" * 5000
+    f.close()
+
+
+@pytest.mark.parametrize("arr", [
+    np.arange(24, dtype=np.float32).reshape(2, 3, 4),
+    np.asfortranarray(np.arange(12, dtype=np.int64).reshape(3, 4)),
+    np.arange(40, dtype=np.float16)[::3],  # not contiguous
+    np.array(3.5),
+    np.zeros((0, 5), dtype=np.uint8),
+    np.array([(1, 2.0)], dtype=[("a", "<i4"), ("b", ">f8")]),
+    np.array(["2026-12-03"], dtype="datetime64[D]"),
+])
+def test_npy_parts_joined_decode_to_the_array(arr: np.ndarray) -> None:
+    header, data = protocol.npy_parts(arr)
+    joined = header + data.tobytes()
+    got = protocol.decode_payload(protocol.NPY, joined)
+    assert got.dtype == arr.dtype and got.shape == arr.shape
+    np.testing.assert_array_equal(got, arr)
+    if arr.flags.c_contiguous:
+        assert joined == _npy(arr)  # byte for byte what np.save writes
+
+
+def test_npy_parts_refuses_object_arrays() -> None:
+    with pytest.raises(TypeError, match="pickle"):
+        protocol.npy_parts(np.array([{"a": 1}], dtype=object))
 
 
 # --- the request field -----------------------------------------------------------
