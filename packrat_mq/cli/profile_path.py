@@ -39,9 +39,9 @@ def path(model: str, profile_ref: str | None, max_batch: int, rounds: int, stand
 
     Serves the model's own example requests (their size and type are what
     costs) through Redis, the dispatcher and one worker of the model with
-    all the socket's cores (or a no-op stand-in, ``--stand-in``), and
+    all the socket's cores (or a no-op stand-in, `--stand-in`), and
     keeps the median of each batch's latency less its handler's time per
-    batch size. Predicted latencies (``up``, ``optimize``) then include it.
+    batch size. Predicted latencies (`up`, `optimize`) then include it.
     The model is served in the profile's mode (eager or its graph backend).
 
     \b
