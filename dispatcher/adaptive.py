@@ -352,7 +352,13 @@ class Adaptive:
 
     def _ask(self, decision: Decision) -> None:
         q = f"{decision.q_tilde:.1f}" if decision.q_tilde is not None else "-"
-        reason = f"{decision.reason}: Q̃={q}, B {decision.current} -> {decision.batch}"
+        reason = f"{decision.reason}: Q̃={q}"
+        if decision.rate is not None:
+            reason += f", {decision.rate:.1f}/s arriving"
+        if decision.serves is not None and None not in decision.serves:
+            reason += (f" (B={decision.current} serves {decision.serves[0]:.1f}/s, "
+                       f"B={decision.batch} {decision.serves[1]:.1f}/s)")
+        reason += f", B {decision.current} -> {decision.batch}"
         message = control.ControlMessage(id=control.new_id(), model=self.model, batch=decision.batch,
                                          reason=reason, origin="estimator", decided=time.time())
         control.send(self.r, self.keys, message)

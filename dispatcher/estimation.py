@@ -108,6 +108,7 @@ dispatcher.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections import Counter, deque
@@ -227,6 +228,10 @@ class Decision:
     reason: str
     current: int
     q_tilde: float | None = None
+    #: The arrival rate the decision read (requests/s, :meth:`Policy.rate`), and what the current and the
+    #: new B serve (requests/s: the plan, or what serving measured): the evidence, for the history.
+    rate: float | None = None
+    serves: tuple[float | None, float | None] | None = None
 
 
 @dataclass
@@ -589,13 +594,27 @@ class Policy:
     def decide(self, now: float, current: int, b_tilde: int | None, q_tilde: float | None = None,
                predicted_ms: float | None = None,
                capacity: Callable[[int], float | None] | None = None) -> Decision | None:
-        """The change to ask for now, if any.
+        """The change to ask for now, if any, with the rate and capacities it read.
 
         ``capacity(B)`` is what B can serve (requests/s, from the profile's
         plan), or None where unknown; without it no smaller B is refused.
         Where a B was measured serving a backlog, that measure stands in for
         its plan (:meth:`learn`).
         """
+        decision = self._decide(now, current, b_tilde, q_tilde, predicted_ms, capacity)
+        if decision is not None:
+            # Why a change was made is read afterwards, in the history: an operator asking why B moved,
+            # or a benchmark's flip (16 -> 2 by timeouts, 2 -> 16 by the estimate 0.36 s later) whose
+            # rate was not recorded anywhere.
+            served = self.effective(capacity, now)
+            decision = dataclasses.replace(
+                decision, rate=self.rate(now),
+                serves=(served(current), served(decision.batch)) if served is not None else None)
+        return decision
+
+    def _decide(self, now: float, current: int, b_tilde: int | None, q_tilde: float | None,
+                predicted_ms: float | None,
+                capacity: Callable[[int], float | None] | None) -> Decision | None:
         s = self.settings
         self._forget(now)
         if self._flow_since is None:

@@ -589,6 +589,30 @@ def test_a_step_goes_at_once_to_the_b_that_carries_it() -> None:
     assert d2 is not None and d2.batch == 8  # 145/s; B=4's 114 is short of the margin
 
 
+def test_a_decision_carries_the_rate_and_capacities_it_read_into_the_history() -> None:
+    """Why B moved is read afterwards (status, the benchmarks' reconfigurations): the rate and what both
+    Bs serve go with the reason."""
+    clock, est, policy = Clock(), Estimator(), Policy()
+    policy.decide(clock.t, 1, 1)
+    clock.t = dispatch_at(policy, clock.t, 2.0, 12.0, 1, False)
+    d = None
+    for _ in range(200):
+        clock.t = dispatch_at(policy, clock.t, 0.005, 12.0, 1, False)
+        est.observe(2, 1)
+        d = policy.decide(clock.t, 1, est.b_tilde, est.q_tilde, capacity=FLAT.get)
+        if d is not None:
+            break
+    assert d is not None and d.batch == 4
+    assert d.rate is not None and 11.0 <= d.rate <= 13.0
+    assert d.serves == (FLAT[1], FLAT[4])
+    fake = fakeredis.FakeRedis()
+    a = Adaptive(fake, Settings(), "m", clock=lambda: clock.t)
+    a._ask(d)
+    [(_, [(_, fields)])] = fake.xread({a.keys.control(): "0-0"})
+    text = fields[b"reason"].decode()
+    assert f"{d.rate:.1f}/s arriving (B=1 serves {FLAT[1]:.1f}/s, B=4 {FLAT[4]:.1f}/s), B 1 -> 4" in text, text
+
+
 def test_a_lull_at_90_percent_load_does_not_take_b_below_what_carries_it() -> None:
     """B=4 on two cores at 90% of its capacity, batches cut by the timeout, the estimate saying 2 or 1
     between bursts: B=2 (13.9/s) never carries 16/s with the margin, so 60 s bring no change."""
