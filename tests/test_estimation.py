@@ -248,7 +248,8 @@ def test_a_smaller_batch_that_cannot_carry_the_load_is_refused() -> None:
 def test_a_smaller_batch_with_room_to_spare_is_taken() -> None:
     policy = Policy()
     policy.changed(0.0, 16, 32)
-    t = dispatch_at(policy, 5.0, 2.0, 120.0, 8, True)  # B=16 serves 168/s: 120 leaves 29% spare (> 20%)
+    # B=16 serves 168/s: 110 leaves 35% spare, and its high bound (2 s counted: 121/s) 28% (> 20%).
+    t = dispatch_at(policy, 5.0, 2.0, 110.0, 8, True)
     policy.decide(t, 32, 16, capacity=CAPACITY.get)
     d = policy.decide(t + 0.3, 32, 16, capacity=CAPACITY.get)
     assert d is not None and d.batch == 16
@@ -666,6 +667,33 @@ def test_the_rate_reads_the_arrivals_exactly_from_the_answered_count() -> None:
     assert all(16.1 * 0.97 <= rate <= 16.1 * 1.1 for _, rate in exact), exact
     rough = _step_under_lumpy_dispatch(with_counts=False)
     assert any(abs(rate - 16.1) > 0.1 * 16.1 for _, rate in rough), rough
+
+
+def test_a_smaller_batch_must_carry_the_rates_high_bound_counted_since_the_last_move_up() -> None:
+    """The Zen 3 ResNet-50's flat profile: 3.1/s, a step to 16.1/s, B 1 -> 16 2 s into it; 1.3 s later the
+    estimate says 2. The 5 s window is half quiet and a second's count is 16 ± 4: B=2 (16.3/s) must
+    carry the count since the move up, plus 1.5 standard deviations, with the margin. It does not."""
+    zen3 = {1: 12.8, 2: 16.3, 4: 16.7, 8: 17.5, 16: 17.7, 32: 16.4}
+    policy = Policy()
+    t, total = 100.0, 0.0
+    policy.decide(t, 1, 1)
+    for k in range(int(8.3 / 0.005)):
+        t = 100.0 + (k + 1) * 0.005
+        total += (3.1 if t < 105.0 else 16.1) * 0.005
+        policy.record_length(t, 3, int(total) - 3)
+        if abs(t - 107.0) < 1e-9:
+            policy.changed(t, 1, 16)
+    assert policy.rate(t) == pytest.approx(16.1, rel=0.1)
+    bound = policy.rate_bound(t)
+    assert bound is not None and bound == pytest.approx(16.1 * (1 + 1.5 / math.sqrt(16.1 * 1.3)), rel=0.1)
+    assert policy.carrying(t, 2, 16, zen3.get, estimated=2) == 16
+    # A quiet load goes down as before: 3/s for a whole window is far below B=1's 12.8.
+    quiet = Policy()
+    quiet.decide(100.0, 16, 16)
+    quiet.changed(99.0, 1, 16)
+    for k in range(int(7.0 / 0.005)):
+        quiet.record_length(100.0 + (k + 1) * 0.005, 1, int(3.0 * (k + 1) * 0.005))
+    assert quiet.carrying(107.0, 1, 16, zen3.get, estimated=1) == 1
 
 
 def test_the_answered_count_going_back_starts_the_count_again() -> None:
