@@ -32,10 +32,11 @@ against reconfiguration storms:
 
 A third guard, against going down to a B that cannot carry the load: a
 smaller B is only taken when what it can serve (its planned capacity,
-``B / L(B)`` from the profile) exceeds the requests dispatched over the last
+``B / L(B)`` from the profile) exceeds the arrivals of the last
 ``rate_window_s`` (5 s) by ``capacity_margin`` (20%: at a higher
-utilisation the queueing delay of the smaller B grows fast, and the measured
-rate itself wanders by a few percent). Near saturation the
+utilisation the queueing delay of the smaller B grows fast), the arrivals
+counted exactly (the stream's length plus the answered count) and taken at
+their high bound (:meth:`Policy.rate_bound`: a count is a Poisson count). Near saturation the
 stream's length (and the batches cut by the timeout while a large B's
 partial batches are served) says "smaller" in the quiet moments between
 bursts; the smaller B then falls behind, the backlog grows, and B goes back
