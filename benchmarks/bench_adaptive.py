@@ -246,8 +246,12 @@ class Driver:
         start = time.monotonic()
         t0 = time.time()
         k = 0
+        began = start
         for phase in phases:
-            began = time.monotonic()
+            # Each phase starts at its place on the trace's clock: the report reads the timeline and the
+            # reconfigurations against those boundaries. (The driver used to sleep until the first
+            # arrival past a phase's end before starting the next: each phase began late by that
+            # overshoot, 0.3 s on average at an idle phase's rate, and the lateness added up.)
             nxt = began
             while True:
                 elapsed = nxt - began
@@ -255,11 +259,11 @@ class Driver:
                     break
                 rate = max(phase.rate(elapsed), 0.05)
                 nxt += self.rng.expovariate(rate)
+                if nxt - began >= phase.seconds:
+                    break  # the next arrival is the next phase's to draw (Poisson arrivals have no memory)
                 delay = nxt - time.monotonic()
                 if delay > 0:
                     time.sleep(delay)
-                if nxt - began >= phase.seconds:
-                    break
                 payload, ctype = self.payloads[k % len(self.payloads)]
                 rid = f"r{k}"
                 k += 1
@@ -279,6 +283,10 @@ class Driver:
                 else:
                     fields = protocol.request_fields(rid, self.reply_to, payload, ctype)
                 self.r.xadd(self.keys.requests(self.model), fields)
+            began += phase.seconds
+            delay = began - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)  # the phase's quiet end
         self._trace_end = time.monotonic()
         self._stop.set()
         reader.join()

@@ -33,3 +33,22 @@ def test_idle_wait_of_requests_that_found_the_service_empty_is_reported_apart(mo
     assert idle["beyond_inference_alone_ms_b1_p50"] == pytest.approx(2.0, abs=0.01)  # a, b, c, d: 2, 3, 4, 2
     assert idle["beyond_inference_ms_b1_p50"] == pytest.approx(3.0, abs=0.01)  # all five: 2, 2, 3, 4, 62
     assert result["lost"] == 0 and result["duplicated"] == 0
+
+
+def test_each_phase_of_the_trace_starts_at_its_boundary(monkeypatch: pytest.MonkeyPatch, redis_url: str,
+                                                         prefix: str) -> None:
+    """The driver used to sleep until the first arrival past a phase's end before starting the next, so
+    each phase began late by that overshoot (at 2/s, 0.5 s on average) and the report's boundaries
+    drifted from the load's."""
+    monkeypatch.setenv("PACKRAT_LOG_LEVEL", os.environ.get("PACKRAT_LOG_LEVEL", "INFO"))
+    bench = importlib.import_module("benchmarks.bench_adaptive")
+    for seed in range(3):
+        driver = bench.Driver(redis_url, prefix, "m", [(b"{}", "application/json")], seed=seed)
+        driver.drain_max_s = 0.0  # no service here: nothing is answered
+        driver.run([bench.Phase("quiet", 0.6, 2.0, 2.0), bench.Phase("busy", 0.4, 300.0, 300.0),
+                    bench.Phase("quiet again", 0.5, 0.05, 0.05)])
+        quiet = [at - driver.t0 for at, phase in driver.sent.values() if phase == "quiet"]
+        busy = [at - driver.t0 for at, phase in driver.sent.values() if phase == "busy"]
+        assert all(at < 0.6 for at in quiet)
+        assert busy and 0.6 <= min(busy) < 0.65 and max(busy) < 1.05, (min(busy), max(busy))
+        assert 1.45 <= driver.elapsed_s < 1.8  # the trace lasts its phases, a quiet end included
