@@ -20,8 +20,8 @@ order alternates), so their ratio is measured on the same host minutes:
 ``redis``, the payload in the request entry; ``shm``, the payload in a file
 in shared memory that the entry names (``Client(shared_memory=True)``, a
 producer on the serving host). Each also as ``-array``: the producer hands
-the client the array, which encodes it (into Redis through ``np.save``; into
-its payload file straight), rather than ready ``.npy`` bytes.
+the client the array, which encodes it (into Redis as one ``.npy`` bytes;
+into its payload file straight), rather than ready ``.npy`` bytes.
 
 Run: ``python -m benchmarks.bench_payload [--batch 8] [--rounds 200] [--modes redis,shm]``.
 """
@@ -60,8 +60,8 @@ def image_npy(seed: int = 0, size: int = 224) -> bytes:
 
 
 #: ``small``: an 896-byte ``.npy`` through Redis, the same path's floor without the large payload.
-#: ``-array``: the producer sends the float32 array, and the client encodes it (through ``np.save``
-#: into Redis; in shared memory, straight into its payload file); otherwise the ``.npy`` bytes.
+#: ``-array``: the producer sends the float32 array, and the client encodes it (into Redis as one
+#: ``.npy`` bytes; in shared memory, straight into its payload file); otherwise the ``.npy`` bytes.
 MODES = ("redis", "shm", "small", "redis-array", "shm-array")
 
 

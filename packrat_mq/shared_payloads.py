@@ -43,6 +43,7 @@ file reveals nothing a Redis client could not read.
 """
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
@@ -114,7 +115,7 @@ class MappedFile:
         except FileNotFoundError:
             same = False
         if not same and not self._remap(size):
-            self._files.rewrite(self.name, b"".join(views))  # no mapping (an empty payload): written as before
+            self._files.rewrite(self.name, b"".join(views))  # no mapping (empty, or cannot reserve): written
             return
         assert self._map is not None
         offset = 0
@@ -136,7 +137,12 @@ class MappedFile:
                 raise SharedPayloadError(f"{FIELD} {self.name!r} is not a regular file")
             if st.st_size != size:
                 os.ftruncate(fd, size)
-            os.posix_fallocate(fd, 0, size)  # the memory now, or ENOSPC now
+            try:
+                os.posix_fallocate(fd, 0, size)  # the memory now, or ENOSPC now
+            except OSError as exc:
+                if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS):
+                    raise
+                return False  # a directory that cannot reserve (not a tmpfs): written, not mapped
             self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             self._ino = st.st_ino
         finally:

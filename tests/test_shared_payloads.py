@@ -155,6 +155,17 @@ def test_no_room_for_a_mapped_file_is_an_error_at_the_write(files: SharedPayload
     f.close()
 
 
+def test_a_directory_that_cannot_reserve_memory_is_written_not_mapped(files: SharedPayloads,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    def unsupported(fd: int, offset: int, size: int) -> None:
+        raise OSError(95, "Operation not supported")
+
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    f = MappedFile(files, "p-4")
+    f.write(b"a" * 5000)
+    assert files.read("p-4", 1 << 20) == b"a" * 5000 and f._map is None
+
+
 @pytest.mark.parametrize("arr", [
     np.arange(24, dtype=np.float32).reshape(2, 3, 4),
     np.asfortranarray(np.arange(12, dtype=np.int64).reshape(3, 4)),
