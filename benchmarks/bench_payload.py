@@ -74,8 +74,8 @@ def run(url: str, batch: int, rounds: int, sleep_ms: float, warmup: int = 20, mo
     r = connect(url)
     r.flushdb()
     settings = Settings(redis_url=url, batch_timeout_ms=50.0, **({"shm_dir": shm_dir} if shm_dir else {}))
-    payload: bytes | np.ndarray = image_array() if mode.endswith("-array") else image_npy(
-        size=8 if mode == "small" else 224)
+    npy = image_npy(size=8 if mode == "small" else 224)
+    payload: bytes | np.ndarray = image_array() if mode.endswith("-array") else npy
     threads = 1
     config = Configuration.parse(f"{threads}x{batch}")
     overhead: list[float] = []
@@ -111,7 +111,7 @@ def run(url: str, batch: int, rounds: int, sleep_ms: float, warmup: int = 20, mo
         "end_to_end_p50_ms": float(np.percentile(end_to_end, 50)),
         "before_handler_p50_ms": float(np.percentile(before, 50)),
         "after_handler_p50_ms": float(np.percentile(after, 50)),
-        "payload_bytes": len(image_npy(size=8 if mode == "small" else 224)),
+        "payload_bytes": len(npy),
     }
 
 

@@ -202,7 +202,7 @@ class Adaptive:
         #: When that change took effect (the reads stop a minute after it).
         self._history_since: float | None = None
         self._history_seen: float | None = None
-        #: The sampler's own connection (:meth:`_xlen`).
+        #: The sampler's own connection (:meth:`_read_counts`).
         self._conn: Any = None
 
     # --- what the dispatch loop tells it --------------------------------
@@ -278,7 +278,7 @@ class Adaptive:
                                           estimated=last)
             return target == self.batch
 
-    def _xlen(self) -> tuple[int, int | None]:
+    def _read_counts(self) -> tuple[int, int | None]:
         """``XLEN`` of the request stream, and the model's count of answered requests, in one round trip.
 
         On a connection of the sampler's own, sent and read raw: 200 times
@@ -339,7 +339,7 @@ class Adaptive:
     def sample(self) -> Decision | None:
         """One sample and decision (the thread's body; tests call it directly)."""
         self.read_switch()
-        length, answered = self._xlen()
+        length, answered = self._read_counts()
         self._last_length = length
         with self._lock:
             now = self.clock()

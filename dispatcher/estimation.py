@@ -423,9 +423,7 @@ class Policy:
         long, short = self.arrived(now - span), self.arrived(now - short_s)
         if long is not None and short is not None:
             return max(long, short)
-        long = (self._dispatched(now - span) + self._growth(now - span)) / span
-        short = (self._dispatched(now - short_s) + self._growth(now - short_s)) / short_s
-        return max(long, short)
+        return max(self._inferred(now, now - span), self._inferred(now, now - short_s))
 
     def rate_bound(self, now: float) -> float | None:
         """A high bound of the arrival rate, which a smaller B must carry (with the margin) to be taken.
@@ -454,10 +452,12 @@ class Policy:
             since = max(since, min(self.last_change_at, now - s.trigger_period_s))
         window = now - since
         per_s = self.arrived(since)
-        if per_s is None:
-            per_s = (self._dispatched(since) + self._growth(since)) / window
-        count = per_s * window
+        count = (per_s if per_s is not None else self._inferred(now, since)) * window
         return max(rate, (count + s.down_confidence * math.sqrt(max(count, 1.0))) / window)
+
+    def _inferred(self, now: float, since: float) -> float:
+        """Requests per second since ``since`` without the answered count: dispatched, plus what the stream grew by."""
+        return (self._dispatched(since) + self._growth(since)) / (now - since)
 
     def _span(self, now: float) -> float | None:
         """The rate window as watched so far (at most ``rate_window_s``); None before one trigger period."""
@@ -476,9 +476,10 @@ class Policy:
         return total
 
     def arrivals(self, now: float, window: float) -> float:
-        """Requests that arrived per second over the last ``window``: dispatched, plus the stream's change in length.
+        """Requests that arrived per second over the last ``window``: counted (:meth:`arrived`), or else
+        dispatched plus the stream's change in length.
 
-        Unlike :meth:`rate` a shrinking stream counts against the dispatches:
+        Unlike :meth:`rate`'s fallback a shrinking stream counts against the dispatches:
         ``XLEN`` holds every request not yet answered, so a backlog drained
         right after a stall (a reconfiguration's over-subscribed seconds)
         is dispatched fast while the stream shrinks by as much; what is left

@@ -558,9 +558,9 @@ def test_the_sampler_slows_once_the_estimate_has_agreed_for_a_timeout() -> None:
 
 def test_the_sampler_reads_the_length_and_the_answered_count_together() -> None:
     a, clock, fake = _adaptive_on(5, 4)
-    assert a._xlen() == (5, 0)  # nothing answered yet: no counter
+    assert a._read_counts() == (5, 0)  # nothing answered yet: no counter
     fake.hincrby(a.keys.stats("m"), "replies", 7)
-    assert a._xlen() == (5, 7)
+    assert a._read_counts() == (5, 7)
     clock.t += 0.005
     a.sample()
     assert a.policy._totals[-1][1] == 12  # every request that ever arrived
