@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -28,7 +29,10 @@ from typing import Any
 import redis
 
 from dispatcher.estimation import Decision, Estimator, EstimatorSettings, Policy
-from optimizer.planning.selection import choose
+from dispatcher.partitioning import LatencyFn, profile_latency
+from dispatcher.queueing import Server, mean_latency_ms
+from optimizer.planning.profile import Profile
+from optimizer.planning.selection import choose, find_profile
 from packrat_mq import control
 from packrat_mq.deployment import node_share
 from packrat_mq.instances import Configuration
@@ -42,6 +46,10 @@ PINNED_SLOWDOWN = 20
 QUIET_SLOWDOWN = 10
 #: How much less often a steady one's is (see :meth:`Adaptive.steady`).
 STEADY_SLOWDOWN = 8
+#: The rates :meth:`PlannedCapacity.latency` simulates are powers of this (steps of 2.5%).
+RATE_STEP = 1.025
+#: How many simulated latencies :class:`PlannedCapacity` keeps before it starts again.
+LATENCIES_KEPT = 4096
 
 
 def estimator_settings(settings: Settings) -> EstimatorSettings:
@@ -66,9 +74,16 @@ class PlannedCapacity:
     budgets change only with the nodes.
     """
 
-    def __init__(self, model: str, profile: str | None, mode: str = "eager") -> None:
+    def __init__(self, model: str, profile: str | None, mode: str = "eager", *,
+                 timeout_ms: float = 50.0, max_waiting: int = 1) -> None:
         #: The graph mode served (``eager`` or a backend): the profile's plans are that mode's.
         self.model, self.profile, self.mode = model, profile, mode
+        #: The dispatcher's batch timeout and flow control, which :meth:`latency` simulates.
+        self.timeout_ms, self.max_waiting = timeout_ms, max_waiting
+        #: Per mode, the profile's latency estimate and path cost (loaded once; None: no profile).
+        self._estimates: dict[str, tuple[LatencyFn, Callable[[int], float]] | None] = {}
+        #: Per (B, rate step, budgets, ratios, mode): the mean latency :meth:`latency` simulated.
+        self._latencies: dict[tuple[Any, ...], float | None] = {}
         self.budgets: dict[str, int] = {}
         #: Per node, served / profiled latency as its supervisor measures it (``optimizer.planning.drift``):
         #: a node serving 1.9x slower than its profile carries 1/1.9 of the planned load. 1 where unknown.
@@ -104,6 +119,63 @@ class PlannedCapacity:
                 return None
             total += share / (latency / 1000.0) / self.ratios.get(node, 1.0)
         return total or None
+
+    def latency(self, batch: int, rate: float) -> float | None:
+        """The mean ms from arrival to answer at ``rate`` requests/s with B's plans; None where unknown.
+
+        Simulated (:func:`dispatcher.queueing.mean_latency_ms`) over every
+        node's instances, each sub-batch taking the profile's latency plus its
+        serving path, times its node's ratio. The rate is taken to the
+        nearest step of 2.5% and each answer kept (a simulation is about
+        15 ms, and the policy asks on every sample); the steps differ by
+        less than a plan's prediction errs.
+        """
+        if rate <= 0:
+            return None
+        step = round(math.log(rate) / math.log(RATE_STEP))
+        key = (batch, step, tuple(sorted(self.budgets.items())), tuple(sorted(self.ratios.items())), self.mode)
+        if key not in self._latencies:
+            if len(self._latencies) > LATENCIES_KEPT:
+                self._latencies.clear()
+            servers = self._servers(batch)
+            self._latencies[key] = (None if servers is None else
+                                    mean_latency_ms(servers, RATE_STEP ** step, self.timeout_ms,
+                                                    max_waiting=self.max_waiting))
+        return self._latencies[key]
+
+    def _servers(self, batch: int) -> list[Server] | None:
+        """B's instances on every node, as the simulation takes them; None where no plan or profile says."""
+        plans = self._plans(batch)
+        estimate = self._estimate()
+        if plans is None or estimate is None:
+            return None
+        latency, path = estimate
+        servers = []
+        for node, (_, configuration) in plans.items():
+            ratio = self.ratios.get(node, 1.0)
+            for inst in configuration.instances:
+                def took(k: int, threads: int = inst.threads, ratio: float = ratio) -> float:
+                    return (latency(threads, k) + path(k)) * ratio
+                servers.append(Server(inst.batch, took))
+        return servers or None
+
+    def _estimate(self) -> tuple[LatencyFn, Callable[[int], float]] | None:
+        """The profile's latency of (threads, k) and its serving path's cost of k (ms), for the mode served."""
+        if self.mode not in self._estimates:
+            try:
+                path = find_profile(self.model, self.profile, mode=self.mode)
+                loaded = Profile.load(path) if path is not None else None
+            except Exception as exc:  # noqa: BLE001 - no profile: nothing predicted, nothing changed on it
+                log.debug("no profile for %s (%s): %s", self.model, self.mode, exc)
+                loaded = None
+            if loaded is None or not loaded.entries:
+                self._estimates[self.mode] = None
+            else:
+                profile = loaded
+                self._estimates[self.mode] = (
+                    profile_latency({(e.threads, e.batch): e.mean_ms for e in profile.entries}),
+                    lambda k: profile.path_cost_ms(k) or 0.0)
+        return self._estimates[self.mode]
 
     def layout(self, batch: int) -> dict[str, frozenset[int]] | None:
         """Per node, the thread counts of the instances its plan for B=``batch`` has (None where unknown)."""
@@ -197,6 +269,8 @@ class Adaptive:
         # Which changes take new processes, by the plans, and how long the last one took: a move down
         # waits for what its switch costs (``Policy.switch_wait``).
         self.policy.needs_processes = getattr(capacity, "needs_processes", None)
+        # What each B's requests take at a rate, by its plans: a smaller B that answers sooner is taken.
+        self.policy.latency = getattr(capacity, "latency", None)
         #: Since a change took effect, until its history entry is read (monotonic; None: nothing to read).
         self._history_due: float | None = None
         #: When that change took effect (the reads stop a minute after it).
@@ -276,6 +350,7 @@ class Adaptive:
             capacity = self.policy.effective(self.capacity, now)  # as decide sees them (measured where served)
             target = self.policy.carrying(now, self.policy.worth(last, capacity), self.batch or 1, capacity,
                                           estimated=last)
+            target = self.policy.quickest(now, target, self.batch or 1, capacity, self.capacity)
             return target == self.batch
 
     def _read_counts(self) -> tuple[int, int | None]:

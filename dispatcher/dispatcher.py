@@ -120,7 +120,8 @@ class Dispatcher:
         self.reclaimer = Reclaimer(r, self.keys, self.model, self.consumer, settings.node_grace_s)
         #: The estimator: samples the backlog in a thread of its own while running (see :meth:`run`).
         #: What each B can serve by the profile's plans: the estimator's guard against a B too small.
-        self.capacity = PlannedCapacity(self.model, profile)
+        self.capacity = PlannedCapacity(self.model, profile, timeout_ms=settings.batch_timeout_ms,
+                                        max_waiting=max_waiting)
         self.adaptive = Adaptive(r, settings, self.model, capacity=self.capacity)
         #: What it counts for the metrics while they are on: published in its record at every
         #: heartbeat, exported by its supervisor (or by ``packrat-mq dispatch`` itself, :meth:`metrics_view`).

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 
 import pytest
 
 import fakeredis
 
-from dispatcher.adaptive import Adaptive
+from dispatcher.adaptive import Adaptive, PlannedCapacity
 from dispatcher.estimation import Decision, Estimator, EstimatorSettings, Policy, floor_pow2
 from packrat_mq.settings import Settings
 
@@ -1047,3 +1048,74 @@ def test_the_dispatchers_snapshot_carries_the_served_capacities() -> None:
     adaptive.policy.served[8] = (23.0, clock.t)
     adaptive.policy.served[4] = (20.0, clock.t - 400.0)  # measured too long ago: the plan again
     assert adaptive.snapshot().served == {8: 23.0}
+
+
+def _at_rate(policy: Policy, est: Estimator, current: int, rate: float, length: int, seconds: float,
+             latency_ms: Callable[[int, float], float | None] | None, *, queue_ms: float = 5.0,
+             predicted_ms: float | None = None, warm_s: float = 2.0) -> list[Decision]:
+    """``seconds`` of ``rate`` arrivals counted exactly, B=``current`` dispatching full batches, the stream
+    holding ``length`` after ``warm_s`` at B; the decisions (none applied)."""
+    policy.latency = latency_ms
+    decisions: list[Decision] = []
+    t = 100.0
+    policy.decide(t, current, current)
+    arrived, dispatched = 0.0, 0.0
+    while t < 100.0 + warm_s + seconds:
+        t += 0.005
+        arrived += rate * 0.005
+        if arrived - dispatched >= current:
+            dispatched += current
+            policy.record_batch(t, current, False, queue_ms)
+        warm = t < 100.0 + warm_s
+        held = current if warm else length
+        policy.record_length(t, held, max(0, int(arrived) - held))
+        if warm:  # the service ran at B for a while before the stream read ``length``
+            policy.decide(t, current, current, float(current), capacity=CAPACITY.get)
+            continue
+        est.observe(length, current)
+        d = policy.decide(t, current, est.b_tilde, est.q_tilde, predicted_ms=predicted_ms, capacity=CAPACITY.get)
+        if d is not None:
+            decisions.append(d)
+    return decisions
+
+
+def _sixteen_cores() -> Callable[[int, float], float | None]:
+    capacity = PlannedCapacity("profiled", "profiles/sim/resnet50-16core.json")
+    capacity.budgets = {"node": 16}
+    return capacity.latency
+
+
+def test_a_smaller_batch_predicted_to_answer_sooner_is_taken_within_the_margin() -> None:
+    """16 simulated cores at 125/s (86% of B=8's 145/s): B=16 holds 16 in the stream (Little's law), so the
+    estimate says 16; B=8 fails the 20% margin, but its plan answers in about 90 ms against B=16's 127."""
+    decisions = _at_rate(Policy(), Estimator(), 16, 125.0, 16, 6.0, _sixteen_cores())
+    assert decisions, "no move"
+    assert decisions[0].batch == 8
+    assert decisions[0].reason.startswith("sooner (B̃=16; B=8 predicted")
+    # Without a prediction, the margin holds B at 16.
+    assert _at_rate(Policy(), Estimator(), 16, 125.0, 16, 6.0, None) == []
+
+
+def test_nothing_is_taken_that_is_not_predicted_sooner_by_the_gain() -> None:
+    """At 160/s only B=16 and B=32 serve; B=32 is predicted slower: B stays at 16."""
+    assert _at_rate(Policy(), Estimator(), 16, 160.0, 16, 6.0, _sixteen_cores()) == []
+    # And at 125/s, a B=8 only 5% sooner (a prediction that says so) is no reason to move.
+    def close(batch: int, rate: float) -> float:
+        return 100.0 if batch == 8 else 105.0
+
+    assert _at_rate(Policy(), Estimator(), 16, 125.0, 16, 6.0, close) == []
+
+
+def test_a_moments_estimate_above_a_batch_predicted_sooner_does_not_move_it_up() -> None:
+    """At B=8 and 125/s the stream reads 16 for a while: B=16 would answer later, so B stays. (For a whole
+    rate window it would be a backlog that B=8 serves less than arrives: :meth:`Policy.learn`.)"""
+    assert _at_rate(Policy(), Estimator(), 8, 125.0, 16, 4.0, _sixteen_cores()) == []
+    up = _at_rate(Policy(), Estimator(), 8, 125.0, 16, 6.0, None)
+    assert up and up[0].batch == 16  # the estimate alone moves it
+
+
+def test_a_queue_that_builds_at_a_batch_predicted_sooner_still_moves_b_up() -> None:
+    """The prediction is no proof: requests waiting twice the batch's predicted latency move B up anyway."""
+    decisions = _at_rate(Policy(), Estimator(), 8, 125.0, 16, 3.0, _sixteen_cores(), queue_ms=400.0,
+                         predicted_ms=55.0)
+    assert decisions and decisions[0].batch == 16 and decisions[0].reason == "queue delay"
