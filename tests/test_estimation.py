@@ -1059,7 +1059,7 @@ def _at_rate(policy: Policy, est: Estimator, current: int, rate: float, length: 
     decisions: list[Decision] = []
     t = 100.0
     policy.decide(t, current, current)
-    arrived, dispatched = 0.0, 0.0
+    arrived, dispatched = float(max(current, length)), 0.0  # what the stream holds arrived before
     while t < 100.0 + warm_s + seconds:
         t += 0.005
         arrived += rate * 0.005
@@ -1119,3 +1119,14 @@ def test_a_queue_that_builds_at_a_batch_predicted_sooner_still_moves_b_up() -> N
     decisions = _at_rate(Policy(), Estimator(), 8, 125.0, 16, 3.0, _sixteen_cores(), queue_ms=400.0,
                          predicted_ms=55.0)
     assert decisions and decisions[0].batch == 16 and decisions[0].reason == "queue delay"
+
+
+def test_at_95_percent_of_b_16_neither_16_nor_32_gives_way_to_the_other() -> None:
+    """160/s on 16 simulated cores (the benchmark's diurnal-2): B=16 is predicted sooner than B=32 there,
+    so an estimate of 32 does not move it up; and from B=32, B=16 is not 10% sooner at the count's high
+    bound, so nothing moves down either. The two rules' gains are the hysteresis between them."""
+    assert _at_rate(Policy(), Estimator(), 16, 160.0, 32, 4.0, _sixteen_cores()) == []
+    assert _at_rate(Policy(), Estimator(), 32, 160.0, 32, 6.0, _sixteen_cores()) == []
+    # Past what B=16 serves well (168/s at 98% of it), the estimate moves it up as before.
+    up = _at_rate(Policy(), Estimator(), 16, 166.0, 32, 4.0, _sixteen_cores())
+    assert up and up[0].batch == 32
