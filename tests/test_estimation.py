@@ -1130,3 +1130,16 @@ def test_at_95_percent_of_b_16_neither_16_nor_32_gives_way_to_the_other() -> Non
     # Past what B=16 serves well (168/s at 98% of it), the estimate moves it up as before.
     up = _at_rate(Policy(), Estimator(), 16, 166.0, 32, 4.0, _sixteen_cores())
     assert up and up[0].batch == 32
+
+
+def test_the_backlog_of_a_switch_down_does_not_undo_what_the_prediction_chose() -> None:
+    """Right after a move down to B=16 the stream holds what arrived during the switch, and requests wait
+    long: at 160/s B=16 is still predicted sooner than 32, so nothing moves for the rate window. Later, the
+    same queue proves the prediction wrong and moves B up."""
+    settling = Policy()
+    settling.changed(100.0, 32, 16)
+    assert _at_rate(settling, Estimator(), 16, 160.0, 32, 2.5, _sixteen_cores(), queue_ms=400.0,
+                    predicted_ms=95.0) == []
+    later = _at_rate(Policy(), Estimator(), 16, 160.0, 32, 2.5, _sixteen_cores(), queue_ms=400.0,
+                     predicted_ms=95.0)
+    assert later and later[0].batch == 32 and later[0].reason == "queue delay"
