@@ -350,7 +350,7 @@ class Adaptive:
             capacity = self.policy.effective(self.capacity, now)  # as decide sees them (measured where served)
             target = self.policy.carrying(now, self.policy.worth(last, capacity), self.batch or 1, capacity,
                                           estimated=last)
-            target = self.policy.quickest(now, target, self.batch or 1, capacity, self.capacity)
+            target = self.policy.quickest(now, target, self.batch or 1, capacity, self.capacity, estimated=last)
             return target == self.batch
 
     def _read_counts(self) -> tuple[int, int | None]:

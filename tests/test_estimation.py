@@ -1143,3 +1143,27 @@ def test_the_backlog_of_a_switch_down_does_not_undo_what_the_prediction_chose() 
     later = _at_rate(Policy(), Estimator(), 16, 160.0, 32, 2.5, _sixteen_cores(), queue_ms=400.0,
                      predicted_ms=95.0)
     assert later and later[0].batch == 32 and later[0].reason == "queue delay"
+
+
+def test_an_estimate_four_times_b_is_no_moment_the_prediction_waits_out() -> None:
+    """A step from idle: B=1 still looks sooner by a rate window mostly idle, but Q̃ at 4x B moves B at once."""
+    decisions = _at_rate(Policy(), Estimator(), 1, 12.0, 0, 0.0, _sixteen_cores())
+    assert decisions == []
+    policy, est = Policy(), Estimator()
+    policy.latency = _sixteen_cores()
+    policy.surge = lambda *args: None  # type: ignore[method-assign]  # a sampler too slow to see it
+    t = 100.0
+    policy.decide(t, 1, 1)
+    for k in range(int(5.0 / 0.005)):  # 5 s idle at 12/s
+        t += 0.005
+        policy.record_length(t, 0, int(12.0 * (t - 100.0)))
+        policy.decide(t, 1, 1, 0.5, capacity=CAPACITY.get)
+    step_at, d = t, None
+    while d is None and t < step_at + 1.0:  # then 500/s: the stream grows by 450 a second
+        t += 0.005
+        length = int(450.0 * (t - step_at))
+        policy.record_length(t, length, int(12.0 * (step_at - 100.0) + 50.0 * (t - step_at)))
+        est.observe(length, 1)
+        d = policy.decide(t, 1, est.b_tilde, est.q_tilde, capacity=CAPACITY.get)
+    assert d is not None and d.batch == 32
+    assert t - step_at < 0.45
