@@ -725,8 +725,9 @@ class Policy:
                    planned: Callable[[int], float | None] | None) -> float | None:
         """``latency(batch, rate)``, stretched by plan / served where ``batch`` was measured serving less.
 
-        A B that serves 1/s of its plan's capacity answers as its plan would
-        with every batch s times as long: at s times the rate, s times the time.
+        A B measured serving its plan's capacity divided by k answers as its
+        plan would with every batch k times as long: at k times the rate, k
+        times the time.
         """
         assert self.latency is not None
         served, plan = capacity(batch), planned(batch) if planned is not None else None
