@@ -22,6 +22,11 @@ in shared memory that the entry names (``Client(shared_memory=True)``, a
 producer on the serving host). Each also as ``-array``: the producer hands
 the client the array, which encodes it (into Redis as one ``.npy`` bytes;
 into its payload file straight), rather than ready ``.npy`` bytes.
+``sealed``: the payload in a sealed memfd (``Client(shared_memory="sealed")``),
+which the worker maps instead of reading. ``-empty`` (``shm-empty``,
+``sealed-empty``): the producer writes each image into an array the client
+lent it in shared memory (``Client.empty``), before the batch is timed, as a
+producer that decodes its image there would, and sends it with no copy.
 
 Run: ``python -m benchmarks.bench_payload [--batch 8] [--rounds 200] [--modes redis,shm]``.
 """
@@ -62,7 +67,8 @@ def image_npy(seed: int = 0, size: int = 224) -> bytes:
 #: ``small``: an 896-byte ``.npy`` through Redis, the same path's floor without the large payload.
 #: ``-array``: the producer sends the float32 array, and the client encodes it (into Redis as one
 #: ``.npy`` bytes; in shared memory, straight into its payload file); otherwise the ``.npy`` bytes.
-MODES = ("redis", "shm", "small", "redis-array", "shm-array")
+MODES = ("redis", "shm", "small", "redis-array", "shm-array", "sealed", "sealed-array", "shm-empty",
+         "sealed-empty")
 
 
 def image_array(seed: int = 0, size: int = 224) -> np.ndarray:
@@ -91,9 +97,16 @@ def run(url: str, batch: int, rounds: int, sleep_ms: float, warmup: int = 20, mo
     # payload read as a memory map pays its page faults there (in inference_ms), so the end-to-end
     # figure is what compares the modes in full.
     with Supervisor(r, settings, url, "sleep", config, options={"base_ms": sleep_ms, "copy_inputs": True}):
-        client = Client(connect(url), shared_memory=mode.startswith("shm"), shm_dir=settings.shm_dir)
+        shared = "sealed" if mode.startswith("sealed") else mode.startswith("shm")
+        client = Client(connect(url), shared_memory=shared, shm_dir=settings.shm_dir)
+        image = image_array()
         for k in range(warmup + rounds):
-            ms, reps = client.time_batch("sleep", [payload] * batch, content_type=protocol.NPY)
+            items: list[Any] = [payload] * batch
+            if mode.endswith("-empty"):
+                items = [client.empty(image.shape, image.dtype) for _ in range(batch)]
+                for item in items:
+                    item[...] = image  # the producer's own work: its image made where it is sent from
+            ms, reps = client.time_batch("sleep", items, content_type=protocol.NPY)
             bad = [x.error for x in reps if not x.ok]
             if bad:
                 raise RuntimeError(f"{len(bad)} requests failed: {bad[0]}")

@@ -100,7 +100,8 @@ def hand_out(r: Any, keys: Any, model: str, instance_id: str, requests: list[Any
     ensure_group(r, stream, DISPATCHER_GROUP)
     for req in requests:
         fields = protocol.request_fields(req.id, req.reply_to, req.payload or b"", req.content_type, req.deadline_ms,
-                                         payload_shm=req.payload_shm, keep=req.payload_shm_keep)
+                                         payload_shm=req.payload_shm, keep=req.payload_shm_keep,
+                                         payload_fd=req.payload_fd)
         req.stream_id = r.xadd(stream, fields).decode()
     r.xreadgroup(DISPATCHER_GROUP, "dispatcher", {stream: ">"})
     if requests:

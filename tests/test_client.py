@@ -256,6 +256,62 @@ def test_arrays_go_straight_into_the_clients_mapped_payload_files(r: redis.Redis
     assert c._mapped == {} and os.listdir(c.payload_files.directory) == []
 
 
+def test_sealed_payloads_round_trip_and_each_memfd_is_reused_for_its_size(r: redis.Redis, settings: Settings,
+                                                                          service: Dispatcher) -> None:
+    c = Client(r, prefix=settings.prefix, shared_memory="sealed", shm_min_bytes=1000)
+    assert c.payload_files is None  # no files: memfds
+    items = [np.full(2000, i, dtype=np.float32) for i in range(3)] + [np.zeros(3000, dtype=np.int16)]
+    made = None
+    for _ in range(2):
+        got = c.submit_many(MODEL, items, timeout=10)
+        for rep, arr in zip(got, items):
+            assert rep.ok, rep.error
+            np.testing.assert_array_equal(rep.value(), arr)
+        assert c._file_of == {} and len(c._free_files) == 4
+        made = made or set(c._mapped)
+        assert set(c._mapped) == made, "answered: the same memfds hold the next round"
+    c.close()
+    assert c._mapped == {}
+
+
+def test_a_sealed_client_names_its_memfd_in_payload_fd(r: redis.Redis, prefix: str) -> None:
+    c = Client(r, prefix=prefix, shared_memory="sealed", shm_min_bytes=1000)
+    rid = c.send("m", np.arange(1000, dtype=np.float32))
+    [(sid, f)] = r.xrange(f"{prefix}:requests:m")
+    assert b"payload" not in f and b"payload_shm" not in f and f[b"payload_fd"].decode() == c._file_of[rid]
+    req = protocol.parse_request(sid, f, max_payload_bytes=1 << 20)
+    assert req.payload_fd == c._file_of[rid]
+    c.close()
+    with pytest.raises(ValueError, match="shared_memory is"):
+        Client(r, prefix=prefix, shared_memory="memfd")
+
+
+@pytest.mark.parametrize("shared", [True, "sealed"], ids=["files", "sealed"])
+def test_an_array_lent_by_empty_is_sent_as_it_is_without_a_copy(r: redis.Redis, settings: Settings,
+                                                                service: Dispatcher, shared: bool | str) -> None:
+    c = Client(r, prefix=settings.prefix, shared_memory=shared)
+    img = c.empty((3, 40, 40), np.float32)
+    img[...] = 7.0  # filled where it is sent from
+    rid = c.send(MODEL, img)
+    name = c._file_of[rid]
+    assert c._lent == {} and set(c._mapped) == {name}, "sent from its own file: none other made"
+    [rep] = c.gather([rid], timeout=10)
+    assert rep.ok, rep.error
+    np.testing.assert_array_equal(rep.value(), np.full((3, 40, 40), 7.0, dtype=np.float32))
+    # Answered: its file is free again, and the next lent array is the same memory.
+    again = c.empty((3, 40, 40), np.float32)
+    assert c._lent[again.__array_interface__["data"][0]][0] == name
+    # A view of another shape is not what the file's header says: copied, like any array.
+    again[...] = 1.0
+    rid = c.send(MODEL, again.reshape(-1))
+    assert c._file_of.get(rid) != name
+    [rep] = c.gather([rid], timeout=10)
+    np.testing.assert_array_equal(rep.value(), np.ones(3 * 40 * 40, dtype=np.float32))
+    c.close()
+    with pytest.raises(RuntimeError, match="needs a client made with shared_memory"):
+        Client(r, prefix=settings.prefix).empty(3)
+
+
 def test_refused_sends_free_their_payload_files(r: redis.Redis, prefix: str) -> None:
     c = Client(r, prefix=prefix, shared_memory=True, shm_min_bytes=10, shm_pool=1)
     r.set(f"{prefix}:requests:m", "not a stream")

@@ -21,6 +21,8 @@ import pytest
 import redis
 
 # Only to read what a killed instance held; requests and replies go through redis-py alone.
+from packrat_mq import shared_payloads
+from packrat_mq.client import Client
 from packrat_mq.protocol import decode_subbatch
 from tests.helpers import alive, interrupt, wait_for
 
@@ -251,3 +253,37 @@ def test_submit_shm_sends_the_file_through_shared_memory(stack: Stack, tmp_path:
                            "--redis-url", stack.url, "--prefix", stack.prefix],
                           capture_output=True, text=True, timeout=60, env=elsewhere)
     assert done.returncode == 1 and "payload_shm" in done.stderr and "is not in" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("stack", [("echo", "1x2")], indirect=True)
+def test_sealed_payloads_are_mapped_by_the_served_instances(stack: Stack, tmp_path: Path) -> None:
+    """A producer on the serving host hands the workers sealed memfds (payload_fd), lent or copied into."""
+    arr = np.arange(6, dtype=np.float32).reshape(2, 3)
+    path = tmp_path / "x.npy"
+    path.write_bytes(_npy(arr))
+    done = subprocess.run([sys.executable, "-m", "packrat_mq", "submit", "-m", "echo", "--file", str(path), "--sealed",
+                           "--json", "--redis-url", stack.url, "--prefix", stack.prefix],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["value"] == arr.tolist()
+    client = Client(stack.url, prefix=stack.prefix, shared_memory="sealed", shm_min_bytes=1)
+    try:
+        lent = [client.empty((64, 64), np.float32) for _ in range(4)]
+        for i, img in enumerate(lent):
+            img[...] = i
+        replies = client.submit_many("echo", [*lent, np.ones(5000)], timeout=30)
+        for i, rep in enumerate(replies[:4]):
+            np.testing.assert_array_equal(rep.value(), np.full((64, 64), i, dtype=np.float32))
+        np.testing.assert_array_equal(replies[4].value(), np.ones(5000))
+    finally:
+        client.close()
+    # A sealed payload that is gone by the time it is served (its producer closed it): that request's error.
+    gone = shared_payloads.SealedFile(len(_npy(arr)))
+    gone.write(_npy(arr))
+    gone.close()
+    reply_to = stack.reply_stream()
+    stack.r.xadd(stack.key("requests", "echo"), {"id": "gone", "reply_to": reply_to, "payload_fd": gone.ref,
+                                                 "content_type": "application/x-npy"})
+    [(_, f)] = stack.replies(reply_to, 1)
+    # (Its descriptor may be reused meanwhile, by a socket say: then it is no sealed payload instead.)
+    assert f[b"status"] == b"error" and f[b"error"].startswith(f"payload_fd '{gone.ref}'".encode()), f

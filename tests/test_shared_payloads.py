@@ -279,3 +279,130 @@ def test_a_worker_that_dies_before_its_commit_leaves_the_file_for_the_next(r: re
     [f] = replies(r, reply_to)
     assert text(f, "status") == protocol.OK
     assert os.listdir(settings.payload_files.directory) == []
+
+
+# --- sealed payloads (payload_fd): memfds a worker maps -------------------------------
+def _ref(fd: int) -> str:
+    return f"{os.getpid()}:{fd}"
+
+
+def test_a_sealed_payload_is_mapped_once_and_cannot_shrink_under_its_reader() -> None:
+    arr = np.arange(30_000, dtype=np.float32)
+    sealed = shared_payloads.SealedFile(len(_npy(arr)))
+    sealed.write(_npy(arr))
+    maps = shared_payloads.SealedMaps()
+    view = maps.read(sealed.ref, 1 << 20)
+    assert view.readonly
+    out = protocol.decode_payload(protocol.NPY, view)  # type: ignore[arg-type]
+    np.testing.assert_array_equal(out, arr)
+    with pytest.raises(PermissionError):
+        os.ftruncate(sealed.fd, 10)  # the seal: no SIGBUS for the worker that maps it
+    sealed.write(_npy(arr + 1))  # the producer reuses it for its next payload: the same map sees it
+    again = protocol.decode_payload(protocol.NPY, maps.read(sealed.ref, 1 << 20))  # type: ignore[arg-type]
+    np.testing.assert_array_equal(again, arr + 1)
+    assert len(maps._maps) == 1
+    with pytest.raises(SharedPayloadError, match="over the limit"):
+        maps.read(sealed.ref, 100)
+    sealed.close()
+    with pytest.raises(SharedPayloadError, match="is not open"):
+        maps.read(sealed.ref, 1 << 20)
+    np.testing.assert_array_equal(out, arr + 1)  # a view handed out keeps its map
+    maps.close()
+
+
+def test_only_sealed_packrat_memfds_are_mapped(tmp_path: Path) -> None:
+    maps = shared_payloads.SealedMaps()
+    plain = tmp_path / "plain"
+    plain.write_bytes(b"x" * 100)
+    fds = [os.open(plain, os.O_RDONLY),
+           os.memfd_create(shared_payloads.MEMFD_NAME),  # not sealable
+           os.memfd_create("other", os.MFD_ALLOW_SEALING)]
+    try:
+        import fcntl
+        os.ftruncate(fds[2], 10)
+        fcntl.fcntl(fds[2], fcntl.F_ADD_SEALS, shared_payloads.SEALS)  # sealed, but not a packrat payload
+        for fd in fds:
+            with pytest.raises(SharedPayloadError, match="is not a sealed payload"):
+                maps.read(_ref(fd), 1 << 20)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    with pytest.raises(SharedPayloadError, match="payload_fd must be"):
+        maps.read("../1:2", 1 << 20)
+
+
+def test_sealed_maps_keep_the_most_recent_and_views_outlive_eviction() -> None:
+    maps = shared_payloads.SealedMaps(kept=2)
+    files = [shared_payloads.SealedFile(4096) for _ in range(3)]
+    views = []
+    for i, f in enumerate(files):
+        f.write(bytes([i]) * 4096)
+        views.append(maps.read(f.ref, 1 << 20))
+    assert len(maps._maps) == 2
+    assert [bytes(v[:1]) for v in views] == [b"\x00", b"\x01", b"\x02"]
+    by_bytes = shared_payloads.SealedMaps(kept_bytes=2 * 4096)
+    for f in files:
+        by_bytes.read(f.ref, 1 << 20)
+    assert len(by_bytes._maps) == 2 and by_bytes._bytes == 2 * 4096
+    for f in files:
+        f.close()
+
+
+def test_a_request_may_name_a_sealed_payload() -> None:
+    req = protocol.parse_request(b"1-0", _fields(payload_fd=b"123:4"), max_payload_bytes=10)
+    assert req.payload is None and req.payload_fd == "123:4" and req.payload_shm is None
+    assert protocol.request_fields("r", "t", None, protocol.NPY, payload_fd="1:2") == {
+        "id": "r", "reply_to": "t", "payload_fd": "1:2", "content_type": protocol.NPY}
+    encoded = protocol.encode_subbatch([req], "b", carry_bytes=protocol.CARRY_MAX_BYTES)
+    [carried] = protocol.decode_subbatch({k.encode(): v if isinstance(v, bytes) else str(v).encode()
+                                          for k, v in encoded.items()})
+    assert carried.carried and carried.payload_fd == "123:4" and carried.payload_shm is None
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"payload": b"1", "payload_fd": b"1:2"}, "payload_fd and payload or payload_shm are exclusive"),
+    ({"payload_shm": b"a", "payload_fd": b"1:2"}, "payload_fd and payload or payload_shm are exclusive"),
+    ({"payload_fd": b"/proc/1/fd/2"}, "payload_fd must be"),
+    ({"payload_fd": b"0:2"}, "payload_fd must be"),
+])
+def test_bad_sealed_payload_fields_are_refused_with_an_answer(extra: dict[str, bytes], message: str) -> None:
+    with pytest.raises(protocol.RequestRejected, match=message) as info:
+        protocol.parse_request(b"1-0", _fields(**extra), max_payload_bytes=10)
+    assert info.value.reply_to == "elsewhere"
+    assert protocol.error_kind(str(info.value)) == "bad_request"
+
+
+@pytest.mark.parametrize("carry_bytes", [0, protocol.CARRY_MAX_BYTES], ids=["fetched", "named-in-the-sub-batch"])
+def test_worker_serves_sealed_payloads_in_place_and_fails_a_closed_one_alone(
+    r: redis.Redis, settings: Settings, carry_bytes: int
+) -> None:
+    w = make_worker(r, settings)
+    reply_to = settings.keys.replies("c1")
+    arrays = [np.full((2, 3), i, dtype=np.float32) for i in range(2)]
+    sealed = [shared_payloads.SealedFile(len(_npy(a))) for a in arrays]
+    for f, a in zip(sealed, arrays):
+        f.write(_npy(a))
+    gone = shared_payloads.SealedFile(10)
+    text_file = shared_payloads.SealedFile(5)  # made first: a descriptor closed is the next one made
+    text_file.write(b"hello")
+    gone_ref = gone.ref
+    gone.close()
+    sealed.append(text_file)
+    reqs = []
+    for i, ref in enumerate([sealed[0].ref, sealed[1].ref, gone_ref, text_file.ref]):
+        req = request(i, reply_to=reply_to, payload=b"", content_type=protocol.TEXT if i == 3 else protocol.NPY)
+        req.payload, req.payload_fd = None, ref
+        reqs.append(req)
+    push(r, w, reqs, carry_bytes=carry_bytes)
+    assert step(w) == 1
+    got = {text(f, "id"): f for f in replies(r, reply_to)}
+    for i, arr in enumerate(arrays):
+        f = got[f"req-{i}"]
+        assert text(f, "status") == protocol.OK, f
+        np.testing.assert_array_equal(protocol.decode_payload(text(f, "content_type"), f[b"payload"]), arr)
+    assert "is not open" in text(got["req-2"], "error")
+    assert text(got["req-3"], "status") == protocol.OK and b"hello" in got["req-3"][b"payload"]
+    assert protocol.error_kind(text(got["req-2"], "error")) == "bad_payload"
+    for f in sealed:
+        os.fstat(f.fd)  # the producer's own: the service closed and deleted nothing
+        f.close()

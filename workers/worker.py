@@ -96,6 +96,8 @@ class Worker:
         self.payload_files = self.settings.payload_files
         #: One read buffer per position in a sub-batch, for .npy payloads in shared memory.
         self._payload_buffers: list[shared_payloads.PayloadBuffer] = []
+        #: Producers' sealed payloads (``payload_fd``), mapped and kept: read in place.
+        self.sealed = shared_payloads.SealedMaps()
         self._stopping = threading.Event()
         self._recovering = True
         self._last_beat = 0.0
@@ -338,7 +340,7 @@ class Worker:
         """
         wanted = []
         for slot, req in enumerate(requests):
-            if req.carried and req.payload_shm is not None:
+            if req.carried and (req.payload_shm is not None or req.payload_fd is not None):
                 self._read_file(req, slot)
             elif not (req.inline or req.carried):
                 wanted.append((slot, req))
@@ -363,15 +365,28 @@ class Worker:
 
     def _take_payload(self, req: protocol.Request, fields: dict[bytes, bytes], slot: int) -> None:
         name = shared_payloads.name_of(fields)
-        if name is None:
+        fd_ref = fields.get(shared_payloads.FD_FIELD_BYTES)
+        if fd_ref is not None:
+            req.payload_fd = fd_ref.decode("ascii", "replace")
+        elif name is None:
             req.payload = fields.get(b"payload")
             return
-        req.payload_shm = name
-        req.payload_shm_keep = shared_payloads.kept(fields)
+        else:
+            req.payload_shm = name
+            req.payload_shm_keep = shared_payloads.kept(fields)
         self._read_file(req, slot)
 
     def _read_file(self, req: protocol.Request, slot: int) -> None:
-        """Read ``req``'s payload file (``req.payload_shm``), or set why it cannot be read as its error."""
+        """Read ``req``'s payload file (``req.payload_shm``), or map its sealed payload (``req.payload_fd``),
+        or set why it cannot be had as its error."""
+        if req.payload_fd is not None:
+            try:
+                view = self.sealed.read(req.payload_fd, self.settings.max_payload_bytes)
+                # An .npy array is decoded in place (its array views the map); other decoders take bytes.
+                req.payload = view if req.content_type == protocol.NPY else bytes(view)
+            except shared_payloads.SharedPayloadError as exc:
+                req.fetch_error = str(exc)
+            return
         assert req.payload_shm is not None
         # An .npy array is decoded in place: read into this batch position's reusable buffer.
         buffer = None

@@ -36,6 +36,9 @@ def file_content_type(path: Path, payload: bytes) -> str:
 @click.option("--shm", is_flag=True,
               help="Put the payload in shared memory (a file in PACKRAT_SHM_DIR that the request names) instead "
                    "of Redis; only on the host that serves the model.")
+@click.option("--sealed", is_flag=True,
+              help="Put the payload in a sealed memfd that the workers map (payload_fd) instead of Redis; only "
+                   "on the serving host, as the workers' user, in their PID namespace (not from another container).")
 @redis_options
 def submit(
     settings: Settings,
@@ -48,6 +51,7 @@ def submit(
     deadline: float | None,
     as_json: bool,
     shm: bool,
+    sealed: bool,
 ) -> None:
     """Send one request to MODEL and print the reply.
 
@@ -57,6 +61,7 @@ def submit(
       packrat-mq submit -m minilm --text "A man is eating food." --json
       packrat-mq submit -m resnet50 --file photo.jpg
       packrat-mq submit -m resnet50 --file image.npy --shm   # on the serving host: not through Redis
+      packrat-mq submit -m resnet50 --file image.npy --sealed   # ...and mapped by the worker, not read
     """
     given = [x is not None for x in (data, text, file)]
     if sum(given) != 1:
@@ -81,7 +86,8 @@ def submit(
         served = ", ".join(sorted(m.decode() for m in r.smembers(settings.keys.models()))) or "none"
         raise click.ClickException(f"model {model!r} is not served here (served: {served}); "
                                    f"start it with `packrat-mq up --model {model}`")
-    client = Client(r, prefix=settings.prefix, shared_memory=shm, shm_dir=settings.shm_dir, shm_min_bytes=1)
+    client = Client(r, prefix=settings.prefix, shared_memory="sealed" if sealed else shm, shm_dir=settings.shm_dir,
+                    shm_min_bytes=1)
     try:
         reply = client.submit(model, payload, content_type=content_type or ctype, timeout=timeout, deadline_s=deadline)
     except ReplyTimeout as exc:
