@@ -137,13 +137,13 @@ class PlannedCapacity:
         if key not in self._latencies:
             if len(self._latencies) > LATENCIES_KEPT:
                 self._latencies.clear()
-            servers = self._servers(batch)
+            servers = self.servers(batch)
             self._latencies[key] = (None if servers is None else
                                     mean_latency_ms(servers, RATE_STEP ** step, self.timeout_ms,
                                                     max_waiting=self.max_waiting))
         return self._latencies[key]
 
-    def _servers(self, batch: int) -> list[Server] | None:
+    def servers(self, batch: int) -> list[Server] | None:
         """B's instances on every node, as the simulation takes them; None where no plan or profile says."""
         plans = self._plans(batch)
         estimate = self._estimate()

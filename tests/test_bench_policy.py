@@ -1,0 +1,36 @@
+"""The closed-loop policy simulation (benchmarks/bench_policy.py): the real estimator and policy, simulated arrivals."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks import bench_policy
+
+PROFILE = "profiles/sim/resnet50-16core.json"
+
+
+def test_at_86_percent_of_b8_the_policy_settles_at_b8_from_b16() -> None:
+    """The diurnal-1 load of the adaptive benchmark (125/s on 16 simulated cores): B=8 is predicted sooner."""
+    for seed in range(2):
+        run = bench_policy.simulate(125.0, 16, profile=PROFILE, cores=16, seconds=10.0, warm_s=10.0, seed=seed)
+        assert run.end == 8, run
+        assert run.changes == [], "settled within the warm-up, and no change after it"
+
+
+def test_a_step_past_what_b16_serves_moves_b_up_within_seconds() -> None:
+    run = bench_policy.simulate(150.0, 16, profile=PROFILE, cores=16, seconds=5.0, warm_s=8.0, seed=0,
+                                rate_after=200.0)
+    up = run.first_up()
+    assert up is not None and up < 3.0, run.changes
+    assert run.end == 32
+
+
+def test_the_command_reports_and_writes_its_runs(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "policy.json"
+    assert bench_policy.main(["--rate", "12", "--start", "4", "--seeds", "1", "--seconds", "3", "--warm-s", "3",
+                              "--json-out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "seed 0: ends at B=" in printed and "changes in 1 x 3 s at 12.0/s" in printed
+    result = json.loads(out.read_text())
+    assert result["args"]["rate"] == 12.0 and len(result["runs"]) == 1
+    assert result["changes"] == len(result["runs"][0]["changes"])
