@@ -38,7 +38,6 @@ from dispatcher.adaptive import PlannedCapacity
 from dispatcher.estimation import Estimator, Policy
 from dispatcher.queueing import spread
 
-RESULTS = Path(__file__).resolve().parent / "results"
 #: The dispatcher's sampler's period (s), and the simulation's step (s).
 SAMPLE_S = 0.005
 STEP_S = 0.001

@@ -450,15 +450,13 @@ def npy_parts(value: np.ndarray) -> tuple[bytes, np.ndarray]:
     request reads it (a payload file in shared memory), instead of through
     ``np.save``'s buffer and ``getvalue``'s copy of it.
     """
-    if value.dtype.hasobject:  # also structured dtypes with object fields
-        raise TypeError("object arrays cannot be sent; they would need pickle")
     data = np.asarray(value, order="C")  # a copy only of an array that is not C-contiguous already
     return npy_header(data.shape, data.dtype), data.reshape(-1).view(np.uint8)
 
 
 def npy_header(shape: tuple[int, ...], dtype: np.dtype) -> bytes:
     """The ``.npy`` header of a C-order array of this shape and dtype (the bytes before its data)."""
-    if dtype.hasobject:
+    if dtype.hasobject:  # also structured dtypes with object fields
         raise TypeError("object arrays cannot be sent; they would need pickle")
     header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": tuple(shape)}
     buf = io.BytesIO()

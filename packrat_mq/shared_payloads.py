@@ -142,10 +142,7 @@ class MappedFile:
             self._files.rewrite(self.name, b"".join(views))  # no mapping (empty, or cannot reserve): written
             return
         assert self._map is not None
-        offset = 0
-        for view in views:
-            self._map[offset:offset + len(view)] = view
-            offset += len(view)
+        _copy_into(self._map, views)
         os.utime(self.path, follow_symlinks=False)
 
     def _mapped(self, size: int) -> bool:
@@ -205,7 +202,16 @@ class MappedFile:
             self._ino = -1
 
 
+def _copy_into(buffer: mmap.mmap, views: list[memoryview]) -> None:
+    """The views, one after another, from the start of a mapping: one memory copy each."""
+    offset = 0
+    for view in views:
+        buffer[offset:offset + len(view)] = view
+        offset += len(view)
+
+
 def _array_in(buffer: mmap.mmap, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A C-order array of ``shape`` and ``dtype`` in the mapping from ``offset`` on (its memory, no copy)."""
     return np.frombuffer(buffer, dtype=dtype, count=int(np.prod(shape, dtype=np.int64)), offset=offset).reshape(shape)
 
 
@@ -249,10 +255,7 @@ class SealedFile:
         views = [memoryview(part).cast("B") for part in parts]
         if sum(len(view) for view in views) != self.size:
             raise ValueError(f"a sealed payload of {self.size} bytes gets exactly that many")
-        offset = 0
-        for view in views:
-            self._map[offset:offset + len(view)] = view
-            offset += len(view)
+        _copy_into(self._map, views)
 
     def array(self, header: bytes, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """The header written, and the array after it returned, for the producer to fill in place."""
