@@ -209,6 +209,10 @@ def test_a_request_may_name_its_payload_file_instead_of_carrying_it() -> None:
     ({"payload": b"1", "payload_shm": b"abc"}, "payload and payload_shm are exclusive"),
     ({"payload_shm": b"../../etc/passwd"}, "payload_shm must be a file name"),
     ({"payload_shm": b"\xff\xfe"}, "payload_shm must be a file name"),
+    ({"payload": b"1", "payload_fd": b"1:2"}, "payload_fd and payload or payload_shm are exclusive"),
+    ({"payload_shm": b"a", "payload_fd": b"1:2"}, "payload_fd and payload or payload_shm are exclusive"),
+    ({"payload_fd": b"/proc/1/fd/2"}, "payload_fd must be"),
+    ({"payload_fd": b"0:2"}, "payload_fd must be"),
 ])
 def test_bad_payload_file_fields_are_refused_with_an_answer(extra: dict[str, bytes], message: str) -> None:
     with pytest.raises(protocol.RequestRejected, match=message) as info:
@@ -357,19 +361,6 @@ def test_a_request_may_name_a_sealed_payload() -> None:
     [carried] = protocol.decode_subbatch({k.encode(): v if isinstance(v, bytes) else str(v).encode()
                                           for k, v in encoded.items()})
     assert carried.carried and carried.payload_fd == "123:4" and carried.payload_shm is None
-
-
-@pytest.mark.parametrize(("extra", "message"), [
-    ({"payload": b"1", "payload_fd": b"1:2"}, "payload_fd and payload or payload_shm are exclusive"),
-    ({"payload_shm": b"a", "payload_fd": b"1:2"}, "payload_fd and payload or payload_shm are exclusive"),
-    ({"payload_fd": b"/proc/1/fd/2"}, "payload_fd must be"),
-    ({"payload_fd": b"0:2"}, "payload_fd must be"),
-])
-def test_bad_sealed_payload_fields_are_refused_with_an_answer(extra: dict[str, bytes], message: str) -> None:
-    with pytest.raises(protocol.RequestRejected, match=message) as info:
-        protocol.parse_request(b"1-0", _fields(**extra), max_payload_bytes=10)
-    assert info.value.reply_to == "elsewhere"
-    assert protocol.error_kind(str(info.value)) == "bad_request"
 
 
 @pytest.mark.parametrize("carry_bytes", [0, protocol.CARRY_MAX_BYTES], ids=["fetched", "named-in-the-sub-batch"])
