@@ -144,7 +144,6 @@ class Client:
         self.payload_files: shared_payloads.SharedPayloads | None = None
         #: Payloads go to sealed memfds (``payload_fd``), not files.
         self.sealed = shared_memory == "sealed"
-        self._shm = bool(shared_memory)
         if shared_memory and not self.sealed:
             if shm_dir is None:
                 shm_dir = Settings().shm_dir  # PACKRAT_SHM_DIR, the variable the service reads
@@ -162,6 +161,11 @@ class Client:
         self._lent: dict[int, tuple[str, tuple[int, ...], np.dtype]] = {}
         self._file_tag = uuid.uuid4().hex[:16]
         self._files_made = 0
+
+    @property
+    def _shm(self) -> bool:
+        """Whether large payloads go to shared memory (files or sealed memfds) rather than into Redis."""
+        return self.sealed or self.payload_files is not None
 
     # --- sending ----------------------------------------------------------
     def _fields(
@@ -214,8 +218,7 @@ class Client:
         shape_t = (int(shape),) if isinstance(shape, int) else tuple(int(n) for n in shape)
         dt = np.dtype(dtype)
         header = protocol.npy_header(shape_t, dt)
-        size = len(header) + int(np.prod(shape_t, dtype=np.int64)) * dt.itemsize
-        name = self._take_file(size)
+        name = self._take_file(shared_payloads.array_file_size(header, shape_t, dt))
         try:
             arr = self._mapped[name].array(header, shape_t, dt)
         except BaseException:

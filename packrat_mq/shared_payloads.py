@@ -186,8 +186,7 @@ class MappedFile:
 
         The producer fills the array in place (:meth:`packrat_mq.client.Client.empty`): no copy at send.
         """
-        size = len(header) + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if not self._mapped(size):
+        if not self._mapped(array_file_size(header, shape, dtype)):
             raise SharedPayloadError(f"{self.path} cannot be mapped (not a tmpfs?)")
         assert self._map is not None
         self._map[:len(header)] = header
@@ -200,6 +199,11 @@ class MappedFile:
             _unmap(self._map)
             self._map = None
             self._ino = -1
+
+
+def array_file_size(header: bytes, shape: tuple[int, ...], dtype: np.dtype) -> int:
+    """The bytes of a payload file that holds ``header`` and then a C-order array of ``shape`` and ``dtype``."""
+    return len(header) + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
 
 
 def _copy_into(buffer: mmap.mmap, views: list[memoryview]) -> None:
