@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -391,6 +392,31 @@ def _check_image(content_type: str, payload: bytes) -> bytes:
 NPY_HEADER_MAX = 65536 + 16
 
 
+#: The version 1.0 header ``np.save`` writes for a plain dtype (bool, integers, floats, complex), in the
+#: exact form numpy writes it. Parsed here in about 2 us; numpy's own parser (``ast.literal_eval``) takes
+#: 20-25 us, 0.2 ms of a batch of eight small images on the path before the handler. Any other header
+#: (another version, key order or dtype) goes to numpy's parser, which decides.
+_NPY_PLAIN_HEADER = re.compile(
+    rb"\{'descr': '([<>|=]?[?biufc][0-9]{1,2})', 'fortran_order': (True|False), "
+    rb"'shape': \((|[0-9]{1,19},|(?:[0-9]{1,19}, )+[0-9]{1,19})\), \} *\n"
+)
+_NPY_V1_MAGIC = b"\x93NUMPY\x01\x00"
+
+
+def _plain_npy_header(payload: bytes | memoryview | Any) -> tuple[tuple[int, ...], bool, np.dtype, int] | None:
+    """(shape, fortran order, dtype, data offset) of a header in :data:`_NPY_PLAIN_HEADER`'s form, else None."""
+    preamble = bytes(payload[:10])
+    if len(preamble) < 10 or preamble[:8] != _NPY_V1_MAGIC:
+        return None
+    end = 10 + int.from_bytes(preamble[8:10], "little")
+    match = _NPY_PLAIN_HEADER.fullmatch(bytes(payload[10:end]))
+    if match is None:
+        return None
+    descr, fortran, dims = match.groups()
+    shape = tuple(int(d) for d in dims.split(b",") if d.strip())
+    return shape, fortran == b"True", np.dtype(descr.decode("ascii")), end
+
+
 def _decode_npy(payload: bytes | memoryview | Any) -> Any:
     """A ``.npy`` array whose header agrees with its length, read without pickle or copy.
 
@@ -404,29 +430,34 @@ def _decode_npy(payload: bytes | memoryview | Any) -> Any:
     keep them past their batch: a worker reuses the buffer a payload file was
     read into.
     """
-    # A view of a worker's buffer (a payload file in shared memory) is read in place too: only the
-    # header is copied.
-    buf = io.BytesIO(payload if isinstance(payload, bytes) else bytes(memoryview(payload)[:NPY_HEADER_MAX]))
-    version = np.lib.format.read_magic(buf)
-    if version == (1, 0):
-        shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(buf)
-    elif version in ((2, 0), (3, 0)):
-        shape, fortran_order, dtype = np.lib.format.read_array_header_2_0(buf)
+    plain = _plain_npy_header(payload)
+    if plain is not None:
+        shape, fortran_order, dtype, offset = plain
     else:
-        raise PayloadError(f"payload is not valid {NPY}: unsupported format version {version}")
+        # A view of a worker's buffer (a payload file in shared memory) is read in place too: only the
+        # header is copied.
+        buf = io.BytesIO(payload if isinstance(payload, bytes) else bytes(memoryview(payload)[:NPY_HEADER_MAX]))
+        version = np.lib.format.read_magic(buf)
+        if version == (1, 0):
+            shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(buf)
+        elif version in ((2, 0), (3, 0)):
+            shape, fortran_order, dtype = np.lib.format.read_array_header_2_0(buf)
+        else:
+            raise PayloadError(f"payload is not valid {NPY}: unsupported format version {version}")
+        offset = buf.tell()
     if dtype.hasobject:
         raise PayloadError(f"payload is not valid {NPY}: object arrays would need pickle")
     count = 1
     for dim in shape:
         count *= int(dim)
     expected = count * dtype.itemsize
-    available = len(payload) - buf.tell()
+    available = len(payload) - offset
     if expected != available:
         raise PayloadError(
             f"payload is not valid {NPY}: header says shape {tuple(shape)} of {dtype} "
             f"({expected} bytes) but {available} bytes follow"
         )
-    array = np.frombuffer(payload, dtype=dtype, count=count, offset=buf.tell())
+    array = np.frombuffer(payload, dtype=dtype, count=count, offset=offset)
     return array.reshape(shape, order="F" if fortran_order else "C")
 
 

@@ -186,6 +186,45 @@ def test_decode_npy_is_a_read_only_view_of_the_payload(arr: np.ndarray) -> None:
         assert np.shares_memory(out, np.frombuffer(payload, dtype=np.uint8))
 
 
+@pytest.mark.parametrize("dtype", ["<f4", ">f8", "<f2", "<i8", "|i1", ">u2", "|u1", "|b1", "<c16"])
+@pytest.mark.parametrize("shape", [(), (0,), (5,), (1, 3, 4, 4), (2, 0, 3)], ids=str)
+@pytest.mark.parametrize("fortran", [False, True], ids=["C", "F"])
+def test_plain_npy_headers_are_read_without_numpys_parser(dtype: str, shape: tuple[int, ...], fortran: bool) -> None:
+    """What np.save writes for a plain dtype takes the fast header path, and decodes as np.load does."""
+    arr = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape).astype(dtype)
+    arr = arr.copy(order="F" if fortran else "C")
+    payload = npy_bytes(arr)
+    header = protocol._plain_npy_header(payload)
+    assert header is not None
+    assert header[:2] == (shape, bool(arr.flags.f_contiguous and not arr.flags.c_contiguous))
+    expected = np.load(io.BytesIO(payload), allow_pickle=False)
+    for form in (payload, memoryview(payload)):  # bytes from Redis, a view of a mapped or read file
+        out = protocol.decode_payload(protocol.NPY, form)
+        assert out.dtype == expected.dtype and out.shape == expected.shape
+        np.testing.assert_array_equal(out, expected)
+
+
+@pytest.mark.parametrize("header", [
+    b"{'fortran_order': False, 'descr': '<f4', 'shape': (3,), }",  # another key order
+    b"{'descr': '<U3', 'fortran_order': False, 'shape': (3,), }",  # another dtype
+    b"{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (3,), }",  # a structured one
+    b"{'descr': '<f4', 'fortran_order': False, 'shape': (3,), 'extra': 1, }",
+    b"{'descr': '<f4', 'fortran_order': false, 'shape': (3,), }",
+    b"{'descr': '<f4', 'fortran_order': False, 'shape': (-3,), }",
+    b"{'descr': '<f4', 'fortran_order': False, 'shape': (3), }",
+])
+def test_other_npy_headers_are_left_to_numpys_parser(header: bytes) -> None:
+    """Anything but np.save's own plain form falls back: numpy decides, and its errors are the producer's."""
+    padded = header + b" " * (-(len(header) + 11) % 64) + b"\n"
+    payload = b"\x93NUMPY\x01\x00" + len(padded).to_bytes(2, "little") + padded + b"\0" * 12
+    assert protocol._plain_npy_header(payload) is None
+    try:
+        out = protocol.decode_payload(protocol.NPY, payload)
+    except PayloadError:
+        return
+    assert out.nbytes == 12  # accepted by numpy's parser: the data agrees with its header
+
+
 class _Boom:
     """Unpickling this would run code; the test fails if it ever is."""
 
