@@ -314,6 +314,33 @@ def test_a_sealed_payload_is_mapped_once_and_cannot_shrink_under_its_reader() ->
     maps.close()
 
 
+def test_a_kept_map_is_found_again_without_opening_and_a_reused_fd_number_is_checked_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sealed = shared_payloads.SealedFile(4096)
+    sealed.write(b"a" * 4096)
+    maps = shared_payloads.SealedMaps()
+    assert bytes(maps.read(sealed.ref, 1 << 20)[:1]) == b"a"
+    with monkeypatch.context() as m:  # a payload already checked and mapped: one stat, no open
+        m.setattr(shared_payloads.os, "open", lambda *a, **k: pytest.fail("opened again"))
+        assert bytes(maps.read(sealed.ref, 1 << 20)[:1]) == b"a"
+    number, ref = sealed.fd, sealed.ref
+    sealed.close()
+    other = os.memfd_create("other", os.MFD_ALLOW_SEALING)
+    if other != number:  # the same fd number, another file
+        os.dup2(other, number)
+        os.close(other)
+    try:
+        import fcntl
+        os.ftruncate(number, 4096)
+        fcntl.fcntl(number, fcntl.F_ADD_SEALS, shared_payloads.SEALS)
+        with pytest.raises(SharedPayloadError, match="is not a sealed payload"):
+            maps.read(ref, 1 << 20)
+    finally:
+        os.close(number)
+    maps.close()
+
+
 def test_only_sealed_packrat_memfds_are_mapped(tmp_path: Path) -> None:
     maps = shared_payloads.SealedMaps()
     plain = tmp_path / "plain"
