@@ -164,8 +164,11 @@ class InstanceState(LiveRecord):
     cpus: list[int] = []
     socket: int = 0
     batches: int = 0
-    #: Median ``inference_ms`` of its last full-size sub-batches at this binding (threads, batch), and
-    #: how many full ones it served: what the supervisor holds against the profile.
+    #: Of its last sub-batches at these threads (``workers.worker.served_fields``): the size most had,
+    #: their median ``inference_ms`` and how many they were; what the supervisor holds against the
+    #: profile at (threads, ``served_batch``). A record without ``served_batch`` (an older worker)
+    #: timed sub-batches of its ``batch``.
+    served_batch: int | None = None
     served_ms: float | None = None
     served_batches: int = 0
 

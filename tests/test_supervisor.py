@@ -387,3 +387,32 @@ def test_serving_slower_than_the_profile_is_measured_and_warned_about_once(
     sup._beat()
     state = SupervisorState.load(r, settings.keys.supervisor("sleep", "n1"))
     assert state is not None and state.profile_ratio == pytest.approx(check.ratio, rel=0.01)
+
+
+def test_after_a_reshare_the_profile_is_held_against_the_new_share(
+        make: MakeSupervisor, r: redis.Redis, settings: Settings, prefix: str, tmp_path: Any) -> None:
+    """The process is not told of its new share: the check follows the size it serves, not a stale ratio."""
+    from optimizer.planning.profile import Profile, ProfileEntry
+
+    entries = (ProfileEntry(threads=1, batch=1, mean_ms=10.0), ProfileEntry(threads=1, batch=4, mean_ms=20.0))
+    path = Profile(model="sleep", entries=entries).save(tmp_path / "p.json")
+    sup = make("sleep", "1x1", profile=path, options={"base_ms": 40})
+    sup.start(ready_timeout=60)
+    client = Client(r, prefix=prefix)
+    for k in range(6):
+        client.submit("sleep", {"k": k}, timeout=30)
+    key = settings.keys.instance("sleep", sup.instances[0].record.id)
+    wait_for(lambda: (InstanceState.load(r, key) or InstanceState()).served_batches >= 6, 15, "six served at B=1")
+    first = sup.check_profile()
+    assert first is not None and [p.batch for p in first.points] == [1]
+    assert 3.0 <= first.ratio < 6.0  # type: ignore[operator]
+    sup.reshare(Configuration.parse("1x4"))
+    wait_for(lambda: (DispatcherState.load(r, settings.keys.dispatcher("sleep")) or DispatcherState()).batch == 4,
+             15, "the dispatcher to serve B=4")
+    for k in range(8):
+        client.submit_many("sleep", [{"k": k, "i": i} for i in range(4)], timeout=30)
+    wait_for(lambda: (InstanceState.load(r, key) or InstanceState()).served_batch == 4, 15,
+             "the record to time the new share")
+    check = sup.check_profile()
+    assert check is not None and [p.batch for p in check.points] == [4]
+    assert 1.5 <= check.ratio < 3.0  # type: ignore[operator]  # 40 ms served against 20 profiled at b=4

@@ -468,3 +468,29 @@ def test_payloads_of_a_run_cut_by_other_entries_are_all_fetched(r: redis.Redis, 
     assert all(text(f, "status") == protocol.OK for f in got.values()), got
     assert [protocol.decode_payload(protocol.JSON, got[f"req-{i}"][b"payload"]) for i in range(3)] == [
         {"i": 0}, {"i": 1}, {"i": 2}]
+
+
+# --- what the record says it served ------------------------------------------
+def test_served_fields_take_the_size_most_recent_sub_batches_had() -> None:
+    from workers.worker import served_fields
+
+    assert served_fields([]) == {"served_batch": None, "served_ms": None, "served_batches": 0}
+    assert served_fields([(8, 10.0), (8, 30.0), (3, 99.0), (8, 20.0)]) == {
+        "served_batch": 8, "served_ms": 20.0, "served_batches": 3}
+    # As many of each: the latest's size (a new share taking over the window).
+    assert served_fields([(1, 5.0), (1, 7.0), (8, 40.0), (8, 44.0)])["served_batch"] == 8
+    assert served_fields([(8, 40.0), (8, 44.0), (1, 5.0), (1, 7.0)])["served_batch"] == 1
+
+
+def test_the_record_times_the_sub_batches_served_not_the_planned_share(r: redis.Redis, settings: Settings) -> None:
+    """A reshare gives an instance a new share without telling its process: its record follows what it serves."""
+    w = make_worker(r, settings, SleepHandler(), batch=1)
+    for k in range(3):
+        push(r, w, [request(10 * k + i) for i in range(4)], batch_id=f"b{k}")
+        assert step(w) == 1
+    push(r, w, [request(99)], batch_id="one")
+    assert step(w) == 1
+    record = w.record()
+    assert record.batch == 1  # the share it was started with
+    assert (record.served_batch, record.served_batches) == (4, 3)
+    assert record.served_ms is not None and record.served_ms >= 10.0  # SleepHandler's 10 ms a batch

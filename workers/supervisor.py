@@ -891,8 +891,8 @@ class Supervisor:
     def check_profile(self) -> drift.ProfileCheck | None:
         """Hold what the serving instances measure against the profile; warn once when it is off.
 
-        Each instance's record carries the median time of its last full-size
-        sub-batches at its own (t, b). A simulated topology's profile is
+        Each instance's record carries the median time of its recent
+        sub-batches of the size most of them had, at its own threads. A simulated topology's profile is
         another machine's by design, and is not checked. Never raises: a
         failed read is tried at the next check.
         """
@@ -912,10 +912,11 @@ class Supervisor:
         served = []
         for inst, fields in zip(self.instances, raw):
             rec = InstanceState.parse(fields)
-            if rec is None or rec.served_ms is None or (rec.threads, rec.batch) != (inst.record.threads,
-                                                                                   inst.record.batch):
+            # By the size it served, not its share here: a reshare changes the share, not the process.
+            if rec is None or rec.served_ms is None or rec.threads != inst.record.threads:
                 continue
-            served.append(drift.Served(inst.record.id, rec.threads, rec.batch, rec.served_ms, rec.served_batches))
+            served.append(drift.Served(inst.record.id, rec.threads, rec.served_batch or rec.batch, rec.served_ms,
+                                       rec.served_batches))
         check = drift.check_profile(profile, served)
         if check.ratio is None:
             return self.profile_check

@@ -32,7 +32,9 @@ import statistics
 import sys
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Iterable
+from typing import Any
 
 import redis
 from pydantic import Field
@@ -57,8 +59,29 @@ log = logging.getLogger("packrat_mq.worker")
 #: How long an idle worker blocks on its queue: also how long it may take to notice SIGTERM
 #: (a reconfiguration waits for retired instances to exit). Four reads a second cost nothing.
 READ_BLOCK_MS = 250
-#: How many recent full-size sub-batch times the median of the record is taken over.
+#: How many recent sub-batch times (with their sizes) the record's served time is taken from.
 SERVED_WINDOW = 20
+
+
+def served_fields(served: Iterable[tuple[int, float]]) -> dict[str, Any]:
+    """The record's ``served_batch``, ``served_ms`` and ``served_batches`` from recent (size, ms) of sub-batches.
+
+    The size most of them had (of equals, the latest's), the median time of
+    those and how many they were: what the supervisor holds against the
+    profile's latency at that size. By the size served, not the instance's
+    planned share: a reshare, or a change that keeps an instance, gives it a
+    new share without telling the process, which kept timing batches of the
+    old size (a ResNet-50 served at B=8 for 45 s had its check stuck at the
+    ratio of its first B=1 batches, 1.19, applied to every plan).
+    """
+    served = list(served)
+    if not served:
+        return {"served_batch": None, "served_ms": None, "served_batches": 0}
+    counts = Counter(size for size, _ in served)
+    most = max(counts.values())
+    size = next(size for size, _ in reversed(served) if counts[size] == most)
+    times = [ms for s, ms in served if s == size]
+    return {"served_batch": size, "served_ms": statistics.median(times), "served_batches": len(times)}
 
 
 class WorkerSpec(RuntimeSpec):
@@ -113,8 +136,8 @@ class Worker:
         #: ``inference_ms`` of the last full-size sub-batches at the current binding, and how many
         #: it served: its record carries their median, which the supervisor holds against the
         #: profile (:mod:`optimizer.planning.drift`).
-        self._served: deque[float] = deque(maxlen=SERVED_WINDOW)
-        self._served_batches = 0
+        #: (size, inference_ms) of the last sub-batches whose every request reached the handler.
+        self._served: deque[tuple[int, float]] = deque(maxlen=SERVED_WINDOW)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -126,8 +149,7 @@ class Worker:
         return InstanceState(state=self._state, pid=os.getpid(), host=socket.gethostname(),
                              interval=self.settings.heartbeat_s, heartbeat=time.time(), threads=s.threads,
                              batch=s.batch, cpus=s.cpus, socket=s.socket,
-                             served_ms=statistics.median(self._served) if self._served else None,
-                             served_batches=self._served_batches,
+                             **served_fields(self._served),
                              metrics=self.tally.dump() if self.tally is not None else None)
 
     def register(self, state: str) -> None:
@@ -285,8 +307,7 @@ class Worker:
                 self._stopping.set()
                 return
             self.spec = new
-            self._served.clear()  # times at the old binding say nothing of the new one
-            self._served_batches = 0
+            self._served.clear()  # times at the old threads say nothing of the new ones
             self._state = "ready"
             log.info("instance %s rebound to %d threads, batch %d, cpus %s in %.2f s", new.instance_id,
                      new.threads, new.batch, new.cpus, time.monotonic() - began)
@@ -426,9 +447,8 @@ class Worker:
             assert self.handler is not None, "no handler: serve after workers.runtime.start"
             result = run_batch(self.handler, items)
             inference_ms = result.inference_ms
-            if len(items) == self.spec.batch and inference_ms > 0:
-                self._served.append(inference_ms)
-                self._served_batches += 1
+            if len(items) == len(requests) and inference_ms > 0:
+                self._served.append((len(items), inference_ms))
             for k, outcome in zip(positions, result.outcomes):
                 outcomes[k] = outcome
         return [o or Outcome(error="no result") for o in outcomes], inference_ms
