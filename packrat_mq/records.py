@@ -164,7 +164,7 @@ class InstanceState(LiveRecord):
     cpus: list[int] = []
     socket: int = 0
     batches: int = 0
-    #: Of its last sub-batches at these threads (``workers.worker.served_fields``): the size most had,
+    #: Of its last sub-batches run back to back at these threads (``workers.worker.served_fields``): the size most had,
     #: their median ``inference_ms`` and how many they were; what the supervisor holds against the
     #: profile at (threads, ``served_batch``). A record without ``served_batch`` (an older worker)
     #: timed sub-batches of its ``batch``.

@@ -370,8 +370,8 @@ def test_serving_slower_than_the_profile_is_measured_and_warned_about_once(
     sup.start(ready_timeout=60)
     assert sup.check_profile() is None  # nothing served yet: nothing to say
     client = Client(r, prefix=prefix)
-    for k in range(8):
-        client.submit("sleep", {"k": k}, timeout=30)
+    # At once: the instance serves them back to back, as a profile times batches (after a pause it is not timed).
+    client.submit_many("sleep", [{"k": k} for k in range(10)], timeout=30)
     key = settings.keys.instance("sleep", sup.instances[0].record.id)
     wait_for(lambda: (InstanceState.load(r, key) or InstanceState()).served_batches >= 8, 15,
              "the instance's record to carry its served batches")
@@ -399,8 +399,7 @@ def test_after_a_reshare_the_profile_is_held_against_the_new_share(
     sup = make("sleep", "1x1", profile=path, options={"base_ms": 40})
     sup.start(ready_timeout=60)
     client = Client(r, prefix=prefix)
-    for k in range(6):
-        client.submit("sleep", {"k": k}, timeout=30)
+    client.submit_many("sleep", [{"k": k} for k in range(8)], timeout=30)  # back to back
     key = settings.keys.instance("sleep", sup.instances[0].record.id)
     wait_for(lambda: (InstanceState.load(r, key) or InstanceState()).served_batches >= 6, 15, "six served at B=1")
     first = sup.check_profile()
@@ -409,8 +408,7 @@ def test_after_a_reshare_the_profile_is_held_against_the_new_share(
     sup.reshare(Configuration.parse("1x4"))
     wait_for(lambda: (DispatcherState.load(r, settings.keys.dispatcher("sleep")) or DispatcherState()).batch == 4,
              15, "the dispatcher to serve B=4")
-    for k in range(8):
-        client.submit_many("sleep", [{"k": k, "i": i} for i in range(4)], timeout=30)
+    client.submit_many("sleep", [{"i": i} for i in range(40)], timeout=30)  # ten sub-batches of 4, back to back
     wait_for(lambda: (InstanceState.load(r, key) or InstanceState()).served_batch == 4, 15,
              "the record to time the new share")
     check = sup.check_profile()

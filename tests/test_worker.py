@@ -485,12 +485,23 @@ def test_served_fields_take_the_size_most_recent_sub_batches_had() -> None:
 def test_the_record_times_the_sub_batches_served_not_the_planned_share(r: redis.Redis, settings: Settings) -> None:
     """A reshare gives an instance a new share without telling its process: its record follows what it serves."""
     w = make_worker(r, settings, SleepHandler(), batch=1)
-    for k in range(3):
+    for k in range(4):
         push(r, w, [request(10 * k + i) for i in range(4)], batch_id=f"b{k}")
-        assert step(w) == 1
     push(r, w, [request(99)], batch_id="one")
-    assert step(w) == 1
+    for _ in range(5):
+        assert step(w) == 1
     record = w.record()
     assert record.batch == 1  # the share it was started with
+    # The first began after a pause (nothing before it): not timed; the rest ran back to back.
     assert (record.served_batch, record.served_batches) == (4, 3)
     assert record.served_ms is not None and record.served_ms >= 10.0  # SleepHandler's 10 ms a batch
+
+
+def test_a_sub_batch_after_a_pause_is_not_timed(r: redis.Redis, settings: Settings) -> None:
+    """Lone requests at idle run on a cold model: what they take says nothing of the profile's back-to-back times."""
+    w = make_worker(r, settings, SleepHandler(), batch=1)
+    for k in range(3):
+        push(r, w, [request(k)], batch_id=f"b{k}")
+        assert step(w) == 1
+        time.sleep(0.02)
+    assert w.record().served_batches == 0 and w.record().served_ms is None

@@ -61,6 +61,12 @@ log = logging.getLogger("packrat_mq.worker")
 READ_BLOCK_MS = 250
 #: How many recent sub-batch times (with their sizes) the record's served time is taken from.
 SERVED_WINDOW = 20
+#: A sub-batch begun within this long of the end of the one before ran back to back, as a profile
+#: times batches, and only those are timed for the record: after a pause the model's memory is cold
+#: (a lone MiniLM request ran 1.4x its back-to-back time after 20 ms, 2.9x after 200 ms; docs/figures.md),
+#: and an idle trickle of lone ResNet-50 requests set the profile check at 1.16-1.19x, which the
+#: estimator then applied to every plan under load.
+BACK_TO_BACK_S = 0.005
 
 
 def served_fields(served: Iterable[tuple[int, float]]) -> dict[str, Any]:
@@ -136,8 +142,12 @@ class Worker:
         #: ``inference_ms`` of the last full-size sub-batches at the current binding, and how many
         #: it served: its record carries their median, which the supervisor holds against the
         #: profile (:mod:`optimizer.planning.drift`).
-        #: (size, inference_ms) of the last sub-batches whose every request reached the handler.
+        #: (size, inference_ms) of the last sub-batches run back to back whose every request reached
+        #: the handler.
         self._served: deque[tuple[int, float]] = deque(maxlen=SERVED_WINDOW)
+        #: When the last sub-batch ended (monotonic), and whether the one being served began right after.
+        self._done_at: float | None = None
+        self._back_to_back = False
 
     def stop(self) -> None:
         self._stopping.set()
@@ -239,6 +249,14 @@ class Worker:
 
     def process(self, entry_id: bytes, fields: dict[bytes, bytes] | None) -> None:
         """Run one sub-batch and reply to each of its requests, atomically with the ack."""
+        began = time.monotonic()
+        self._back_to_back = self._done_at is not None and began - self._done_at <= BACK_TO_BACK_S
+        try:
+            self._process(entry_id, fields)
+        finally:
+            self._done_at = time.monotonic()
+
+    def _process(self, entry_id: bytes, fields: dict[bytes, bytes] | None) -> None:
         if not fields:
             self._finish(entry_id, [])
             return
@@ -447,7 +465,7 @@ class Worker:
             assert self.handler is not None, "no handler: serve after workers.runtime.start"
             result = run_batch(self.handler, items)
             inference_ms = result.inference_ms
-            if len(items) == len(requests) and inference_ms > 0:
+            if self._back_to_back and len(items) == len(requests) and inference_ms > 0:
                 self._served.append((len(items), inference_ms))
             for k, outcome in zip(positions, result.outcomes):
                 outcomes[k] = outcome

@@ -10,8 +10,8 @@ from it (the estimator's capacities, a benchmark's rates) was 1.9x off and
 nothing said so.
 
 So the instances measure what they serve: each keeps the median
-``inference_ms`` of its recent sub-batches of the size most of them had (at
-its own t) in its live record, and the supervisor compares them with the
+``inference_ms`` of its recent sub-batches run back to back, of the size most
+of them had (at its own t), in its live record, and the supervisor compares them with the
 profile's latency at the same (t, b), here. The check is a ratio (served / profiled, the median
 over the instances measured) and a verdict against a tolerance, nothing
 more: it does not re-plan (the optimizer's choice moves little under a
