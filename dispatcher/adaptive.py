@@ -60,6 +60,7 @@ def estimator_settings(settings: Settings) -> EstimatorSettings:
         reconfigure_timeout_s=settings.reconfigure_timeout_s, up_timeout_s=settings.reconfigure_up_timeout_s,
         trigger_period_s=settings.trigger_period_s, up_utilisation=settings.reconfigure_up_utilisation,
         knee=settings.estimator_knee, switch_factor=settings.estimator_switch_factor,
+        switch_gain=settings.estimator_switch_gain,
     )
 
 

@@ -121,6 +121,12 @@ class Settings(BaseSettings):
         description="A move down that needs new processes (active-passive) waits this many times the last such "
                     "change's over-subscribed seconds beyond its timeout: it must be worth the switch.",
     )
+    estimator_switch_gain: float = Field(
+        default=0.1, ge=0,
+        description="Under a load no B carries, a move down that needs new processes (active-passive) is made only "
+                    "to a B that serves at least this fraction more than the current one: the switch "
+                    "over-subscribes the cores for seconds, and a few percent is within a measure's noise.",
+    )
     adaptive_min_batch: int = Field(default=1, ge=1, description="Smallest B the estimator asks for.")
     adaptive_max_batch: int = Field(default=32, ge=1, description="Largest B the estimator asks for.")
     trigger_period_s: float = Field(

@@ -1167,3 +1167,29 @@ def test_an_estimate_four_times_b_is_no_moment_the_prediction_waits_out() -> Non
         d = policy.decide(t, 1, est.b_tilde, est.q_tilde, capacity=CAPACITY.get)
     assert d is not None and d.batch == 32
     assert t - step_at <= 0.27  # the up dwell (0.25 s) from the first sample that asked for more
+
+
+@pytest.mark.parametrize("switch, eight, expected", [
+    (True, 16.0, 32),   # 4.6% more: not worth an active-passive switch under a load both fall behind
+    (True, 17.2, 8),    # 12% more: worth it
+    (False, 16.0, 8),   # a reshare costs nothing: the B that serves the most
+])
+def test_under_a_load_nothing_carries_a_move_down_that_switches_must_serve_switch_gain_more(
+        switch: bool, eight: float, expected: int) -> None:
+    """The Zen 4 host (12-04 19:05): at 20.5/s arriving, B=32 measured 15.3/s and B=8 16.0/s.
+
+    B went 32 -> 8 with 7.5 s over-subscribed and back by the queue delay
+    13 s later; the backlog of each switch was never drained. Below B, under
+    a load no B carries, a change that takes new processes needs
+    ``switch_gain`` (10%) more capacity; a reshare needs none.
+    """
+    caps = {1: 13.9, 2: 15.0, 4: 15.5, 8: eight, 16: 15.0, 32: 15.3}
+    policy = Policy(needs_processes=lambda a, b: switch and (a == 32) != (b == 32))
+    assert policy.carrying(0.0, 8, 32, caps.get, rate=20.5, estimated=32) == expected
+
+
+def test_the_switch_gain_is_a_setting() -> None:
+    from dispatcher.adaptive import estimator_settings
+
+    assert estimator_settings(Settings(estimator_switch_gain=0.25)).switch_gain == 0.25
+    assert EstimatorSettings().switch_gain == 0.1
