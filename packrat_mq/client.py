@@ -322,10 +322,17 @@ class Client:
     def send_many(
         self, model: str, items: Iterable[Any], *, content_type: str | None = None, deadline_s: float | None = None
     ) -> list[str]:
-        """Queue many requests in one round trip; returns their ids in order."""
-        # On Redis Cluster a pipeline outside a transaction sends a command again, alone, when its
-        # connection failed: a second request. The XADDs go to one stream (one slot): one MULTI/EXEC.
-        pipe = self.r.pipeline(transaction=is_cluster(self.r))
+        """Queue many requests in one round trip, as one transaction; returns their ids in order.
+
+        One MULTI/EXEC, so that they reach the stream together. Redis serves a
+        blocked reader after each command: eight plain pipelined XADDs wake the
+        dispatcher at the first, and it reads the other seven in a second
+        round trip (0.26-0.35 ms of a B=8 batch on a Zen 4 host, 12-04). On
+        Redis Cluster it is also what keeps the pipeline from sending a command
+        again, alone, when its connection failed (a second request); the XADDs
+        go to one stream, one slot.
+        """
+        pipe = self.r.pipeline(transaction=True)
         ids = []
         sent = []
         now = time.time()

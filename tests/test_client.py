@@ -121,6 +121,30 @@ def test_reply_timeout_when_nobody_answers(r: redis.Redis, settings: Settings) -
     assert r.xlen(c.keys.requests("nobody")) == 1  # still queued: may be served later
 
 
+def test_send_many_reaches_a_blocked_reader_at_once(r: redis.Redis, redis_url: str, settings: Settings) -> None:
+    """One MULTI/EXEC: a dispatcher blocked on the stream wakes to all of them, not to the first alone."""
+    c = Client(r, prefix=settings.prefix)
+    stream = c.keys.requests("together")
+    reader = connect(redis_url)
+    got: list[int] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        ready.set()
+        resp = reader.xread({stream: "$"}, count=100, block=5000)
+        got.append(len(resp[0][1]) if resp else 0)
+
+    t = threading.Thread(target=read)
+    t.start()
+    ready.wait()
+    deadline = time.monotonic() + 5.0
+    while not any(row.get("cmd") == "xread" for row in r.client_list()) and time.monotonic() < deadline:
+        time.sleep(0.005)  # until the reader is blocked
+    c.send_many("together", list(range(8)))
+    t.join(timeout=10.0)
+    assert got == [8]
+
+
 def test_reply_timeout_counts_missing(r: redis.Redis, settings: Settings) -> None:
     c = Client(r, prefix=settings.prefix)
     ids = c.send_many("nobody", [1, 2, 3])
