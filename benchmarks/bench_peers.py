@@ -15,9 +15,12 @@ Setups, with T the CPUs this process may run on (``os.sched_getaffinity``):
   chooses B from the load, starting at 1), W;
 - ``packrat-auto-shm``: ``packrat-auto`` with the clients' images in shared memory
   (``Client(shared_memory=True)``: producers on the serving host; a ``/dev/shm`` directory per run);
+- ``packrat-auto-sealed``: ``packrat-auto`` with the clients' images in sealed memfds that the
+  workers map (``Client(shared_memory="sealed")``: producers on the serving host, no directory);
 - ``torchserve-b1``: TorchServe, 1 worker x T threads, B=1;
 - ``packrat-b1``: ``packrat-mq up --graph torchscript --instances Tx1``, no batch wait;
 - ``packrat-b1-shm``: ``packrat-b1`` with the images in shared memory;
+- ``packrat-b1-sealed``: ``packrat-b1`` with the images in sealed memfds;
 - ``packrat-b1-glibc``: ``packrat-b1`` with glibc's own malloc policy in the instances
   (``PACKRAT_MALLOC_RETAIN_MB=0``), the A/B of that setting;
 - ``packrat-reserved`` (T ≥ 2): ``packrat-mq up --graph torchscript --threads T-1 --batch B``: the
@@ -50,7 +53,7 @@ import time
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import psutil
 
@@ -77,8 +80,9 @@ class Setup:
     args: tuple[str, ...] = ()
     peer: str | None = None
     note: str = ""
-    #: Clients put the images in shared memory (payload_shm) instead of Redis: producers on the serving host.
-    shm: bool = False
+    #: Clients put the images in shared memory instead of Redis, producers on the serving host: True, in
+    #: payload files (``payload_shm``); ``"sealed"``, in sealed memfds the workers map (``payload_fd``).
+    shm: bool | Literal["sealed"] = False
     #: Settings of the packrat-mq processes, as environment variables (``PACKRAT_...``): an A/B of one setting.
     env: tuple[tuple[str, str], ...] = ()
 
@@ -106,10 +110,15 @@ def make_setups(threads: int, batch: int, wait_ms: float) -> list[Setup]:
         # The same choice with the clients' images in shared memory, not in Redis (the same host).
         Setup("packrat-auto-shm", "packrat", t, b, wait_ms, ("--threads", str(t), "--batch", str(b)), "torchserve",
               "optimizer's choice, images in shared memory", shm=True),
+        # The same with sealed memfds, which the workers map instead of reading (Client(shared_memory="sealed")).
+        Setup("packrat-auto-sealed", "packrat", t, b, wait_ms, ("--threads", str(t), "--batch", str(b)), "torchserve",
+              "optimizer's choice, images in sealed memfds", shm="sealed"),
         Setup("torchserve-b1", "torchserve", t, 1, 0.0),
         Setup("packrat-b1", "packrat", t, 1, 0.0, ("--instances", f"{t}x1"), "torchserve-b1"),
         Setup("packrat-b1-shm", "packrat", t, 1, 0.0, ("--instances", f"{t}x1"), "torchserve-b1",
               "images in shared memory", shm=True),
+        Setup("packrat-b1-sealed", "packrat", t, 1, 0.0, ("--instances", f"{t}x1"), "torchserve-b1",
+              "images in sealed memfds", shm="sealed"),
         # packrat-b1 with glibc's own malloc policy in the instances (malloc_retain_mb 0): the setting's A/B.
         Setup("packrat-b1-glibc", "packrat", t, 1, 0.0, ("--instances", f"{t}x1"), "torchserve-b1",
               "PACKRAT_MALLOC_RETAIN_MB=0", env=(("PACKRAT_MALLOC_RETAIN_MB", "0"),)),

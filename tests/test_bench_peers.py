@@ -23,18 +23,21 @@ def test_ratios_pair_each_packrat_setup_with_its_torchserve_peer_within_a_round(
     setups = make_setups(threads=2, batch=8, wait_ms=50)
     assert [(s.key, s.peer) for s in setups] == [
         ("torchserve", None), ("packrat-layout", "torchserve"), ("packrat-auto", "torchserve"),
-        ("packrat-adaptive", "torchserve"), ("packrat-auto-shm", "torchserve"), ("torchserve-b1", None),
-        ("packrat-b1", "torchserve-b1"), ("packrat-b1-shm", "torchserve-b1"), ("packrat-b1-glibc", "torchserve-b1"),
-        ("packrat-reserved", "torchserve")]
-    assert setups[9].args == ("--threads", "1", "--batch", "8")
+        ("packrat-adaptive", "torchserve"), ("packrat-auto-shm", "torchserve"), ("packrat-auto-sealed", "torchserve"),
+        ("torchserve-b1", None), ("packrat-b1", "torchserve-b1"), ("packrat-b1-shm", "torchserve-b1"),
+        ("packrat-b1-sealed", "torchserve-b1"), ("packrat-b1-glibc", "torchserve-b1"), ("packrat-reserved", "torchserve")]
+    by = {s.key: s for s in setups}
+    assert by["packrat-reserved"].args == ("--threads", "1", "--batch", "8")
     # The malloc A/B is packrat-b1 with one setting of its processes changed.
-    assert (setups[8].args, dict(setups[8].env), setups[6].env) == (setups[6].args, {"PACKRAT_MALLOC_RETAIN_MB": "0"}, ())
-    # The shm setups are their plain twins with the clients' images in shared memory.
-    assert (setups[4].args, setups[4].shm, setups[2].shm) == (setups[2].args, True, False)
-    assert (setups[7].args, setups[7].shm) == (setups[6].args, True)
+    assert (by["packrat-b1-glibc"].args, dict(by["packrat-b1-glibc"].env), by["packrat-b1"].env) == (
+        by["packrat-b1"].args, {"PACKRAT_MALLOC_RETAIN_MB": "0"}, ())
+    # The shm and sealed setups are their plain twins with the clients' images in shared memory.
+    for plain in ("packrat-auto", "packrat-b1"):
+        assert (by[f"{plain}-shm"].args, by[f"{plain}-shm"].shm, by[plain].shm) == (by[plain].args, True, False)
+        assert (by[f"{plain}-sealed"].args, by[f"{plain}-sealed"].shm) == (by[plain].args, "sealed")
     assert "packrat-reserved" not in {s.key for s in make_setups(threads=1, batch=8, wait_ms=50)}
-    assert setups[1].args == ("--instances", "2x8") and setups[6].args == ("--instances", "2x1")
-    assert setups[3].args == ("--threads", "2")  # no --batch: adaptive from B=1
+    assert by["packrat-layout"].args == ("--instances", "2x8") and by["packrat-b1"].args == ("--instances", "2x1")
+    assert by["packrat-adaptive"].args == ("--threads", "2")  # no --batch: adaptive from B=1
     rows = [_row(1, "torchserve", 400, 16, 100), _row(1, "packrat-layout", 200, 32, 150, "2x8"),
             _row(2, "torchserve", 800, 8, 100), _row(2, "packrat-layout", 400, 8, 50, "2x8"),
             {"round": 2, "setup": "packrat-auto", "error": "did not start"}]

@@ -46,6 +46,8 @@ class Target:
     #: packrat only: this shared-memory payload directory (the server's ``PACKRAT_SHM_DIR``) carries the
     #: images instead of Redis (``Client(shared_memory=True)``, a producer on the serving host).
     shm_dir: str | None = None
+    #: packrat only: the images in sealed memfds the workers map (``Client(shared_memory="sealed")``).
+    sealed: bool = False
 
 
 Sender = Callable[[bytes], "str | None"]
@@ -78,8 +80,8 @@ def _torchserve_sender(target: Target) -> tuple[Sender, Callable[[], None]]:
 
 
 def _packrat_sender(target: Target) -> tuple[Sender, Callable[[], None]]:
-    client = Client(target.url, prefix=target.prefix, shared_memory=target.shm_dir is not None,
-                    shm_dir=target.shm_dir)
+    client = Client(target.url, prefix=target.prefix,
+                    shared_memory="sealed" if target.sealed else target.shm_dir is not None, shm_dir=target.shm_dir)
 
     def send(payload: bytes) -> str | None:
         try:

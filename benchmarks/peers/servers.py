@@ -186,10 +186,12 @@ class PackratUp:
 
     def __init__(self, workdir: Path, *, model: str, args: list[str], batch_timeout_ms: float,
                  start_timeout_s: float = 300.0, extra_env: Mapping[str, str] | None = None,
-                 shm: bool = False) -> None:
+                 shm: bool | str = False) -> None:
         self.workdir, self.model, self.args = workdir, model, args
-        #: Payloads in shared memory: a directory of its own on the host's tmpfs, for the server and the clients.
-        self.shm_dir = tempfile.mkdtemp(prefix="packrat-peers-", dir="/dev/shm") if shm else None
+        #: Payloads in shared memory files: a directory of its own on the host's tmpfs, for the server and the
+        #: clients. ``"sealed"``: in the clients' sealed memfds, which need none.
+        self.shm_dir = tempfile.mkdtemp(prefix="packrat-peers-", dir="/dev/shm") if shm is True else None
+        self.sealed = shm == "sealed"
         self.batch_timeout_ms = batch_timeout_ms
         self.start_timeout_s = start_timeout_s
         self.extra_env = dict(extra_env or {})
@@ -229,7 +231,8 @@ class PackratUp:
             found = self.STARTING.search(self.log_path.read_text(errors="replace"))
             self.configuration = found.group("config") if found else None
             self.family = _family(self.proc.pid)
-            target = Target("packrat", self.redis.url, self.model, prefix="peers", shm_dir=self.shm_dir)
+            target = Target("packrat", self.redis.url, self.model, prefix="peers", shm_dir=self.shm_dir,
+                            sealed=self.sealed)
             probe(target, npy_image(), timeout_s=max(1.0, deadline - time.monotonic()))
             return target
         except BaseException:
