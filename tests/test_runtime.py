@@ -118,6 +118,33 @@ def test_start_sizes_torch_pools_when_the_handler_uses_torch() -> None:
     assert _run_child(code, spec.model_dump()).split() == ["True", "1", "1"]
 
 
+def test_pin_moves_every_thread_of_the_process_not_only_the_caller() -> None:
+    """A spare rebound to other cores already runs threads (OpenMP's, torch's, its heartbeat): they move too."""
+    import threading
+
+    allowed = sorted(os.sched_getaffinity(0))
+    started, done = threading.Event(), threading.Event()
+    tid: list[int] = []
+
+    def idle() -> None:
+        tid.append(threading.get_native_id())
+        started.set()
+        done.wait(10.0)
+
+    t = threading.Thread(target=idle)
+    t.start()
+    started.wait(10.0)
+    try:
+        runtime.pin(allowed[-1:])
+        assert os.sched_getaffinity(0) == {allowed[-1]}
+        assert os.sched_getaffinity(tid[0]) == {allowed[-1]}
+    finally:
+        runtime.pin(allowed)
+        done.set()
+        t.join()
+    assert os.sched_getaffinity(0) == set(allowed)
+
+
 def test_size_torch_never_imports_torch() -> None:
     code = "import sys; from workers import runtime; print(runtime.size_torch(2), 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

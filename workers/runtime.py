@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from typing import Any
 
 from pydantic import BaseModel, Field, model_validator
@@ -56,7 +57,17 @@ class RuntimeSpec(BaseModel):
 
 
 def pin(cpus: list[int]) -> None:
-    """Pin this process to ``cpus`` (the one place that sets CPU affinity)."""
+    """Pin every thread of this process to ``cpus`` (the one place that sets CPU affinity).
+
+    ``sched_setaffinity(0, ...)`` moves the calling thread only; threads
+    started before keep their masks. At start nothing else runs yet, but a
+    spare rebound to other cores (:func:`rebind`) already has its OpenMP
+    pool, torch's inter-op thread and its heartbeat: a 2-thread spare moved
+    from cores 0-1 to 4-5 kept its second OpenMP thread on 0-1, beside the
+    instance that now serves there. So each thread of ``/proc/self/task``
+    is moved, the calling one first (a mask the process may not use fails
+    there, with what it may use); a thread that ended meanwhile is passed over.
+    """
     cpu_set = sorted(set(cpus))
     if not cpu_set:
         raise ValueError("pin needs at least one CPU")
@@ -70,6 +81,18 @@ def pin(cpus: list[int]) -> None:
             f"cannot pin to cpus {format_cpulist(cpu_set)} (allowed: "
             f"{format_cpulist(os.sched_getaffinity(0))}): {exc.strerror}",
         ) from exc
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return  # no /proc: the calling thread is all that can be moved
+    me = threading.get_native_id()
+    for tid in tids:
+        if tid == me:
+            continue
+        try:
+            os.sched_setaffinity(tid, cpu_set)
+        except (ProcessLookupError, PermissionError):
+            pass  # ended since the listing (or not ours to move: never the case for our own threads)
 
 
 def size_torch(threads: int) -> bool:
