@@ -73,26 +73,26 @@ def pin(cpus: list[int]) -> None:
         raise ValueError("pin needs at least one CPU")
     if not hasattr(os, "sched_setaffinity"):
         return
-    try:
-        os.sched_setaffinity(0, cpu_set)
-    except OSError as exc:
-        raise OSError(
-            exc.errno,
-            f"cannot pin to cpus {format_cpulist(cpu_set)} (allowed: "
-            f"{format_cpulist(os.sched_getaffinity(0))}): {exc.strerror}",
-        ) from exc
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        return  # no /proc: the calling thread is all that can be moved
     me = threading.get_native_id()
-    for tid in tids:
-        if tid == me:
-            continue
+    try:
+        others = [tid for tid in map(int, os.listdir("/proc/self/task")) if tid != me]
+    except OSError:
+        others = []  # no /proc: the calling thread is all that can be moved
+    for tid in (0, *others):
         try:
             os.sched_setaffinity(tid, cpu_set)
         except (ProcessLookupError, PermissionError):
-            pass  # ended since the listing (or not ours to move: never the case for our own threads)
+            if tid == 0:
+                raise
+            # Ended since the listing (or not ours to move: never the case for our own threads).
+        except OSError as exc:
+            if tid != 0:
+                raise
+            raise OSError(
+                exc.errno,
+                f"cannot pin to cpus {format_cpulist(cpu_set)} (allowed: "
+                f"{format_cpulist(os.sched_getaffinity(0))}): {exc.strerror}",
+            ) from exc
 
 
 def size_torch(threads: int) -> bool:
