@@ -36,7 +36,7 @@ from typing import Any
 
 from dispatcher.adaptive import PlannedCapacity
 from dispatcher.estimation import Estimator, Policy
-from dispatcher.queueing import spread
+from dispatcher.queueing import Server, spread
 
 #: The dispatcher's sampler's period (s), and the simulation's step (s).
 SAMPLE_S = 0.005
@@ -132,9 +132,237 @@ def simulate(rate: float, start: int, *, profile: str, cores: int, seconds: floa
     return run
 
 
+@dataclass
+class TraceRun:
+    """One seed of a trace: each request's (arrival s, latency ms), the changes (s, from, to, kind, reason)."""
+
+    setup: str
+    seed: int
+    requests: list[tuple[float, float]] = field(default_factory=list)
+    changes: list[tuple[float, int, int, str, str]] = field(default_factory=list)
+
+    def mean_ms(self, since: float = 0.0, until: float = float("inf")) -> float | None:
+        picked = [ms for at, ms in self.requests if since <= at < until]
+        return statistics.fmean(picked) if picked else None
+
+
+def true_servers(plans: PlannedCapacity, batch: int, host: dict[int, float] | None) -> list[Server]:
+    """B's instances as the host serves them: the profile's latency times ``host[threads]`` (the host's time
+    over the profile's by instance thread count, as ``bench_adaptive --rate-scale auto`` measures it)."""
+    if not host:
+        servers = plans.servers(batch)
+        if servers is None:
+            raise ValueError(f"no plan for B={batch}")
+        return servers
+    ratios, plans.ratios = plans.ratios, {}
+    try:
+        layout, estimate = plans._plans(batch), plans._estimate()  # noqa: SLF001 - the plans, without any ratio
+    finally:
+        plans.ratios = ratios
+    if layout is None or estimate is None:
+        raise ValueError(f"no plan for B={batch}")
+    latency, path = estimate
+    servers = []
+    for _, configuration in layout.values():
+        for inst in configuration.instances:
+            def took(k: int, t: int = inst.threads) -> float:
+                return (latency(t, k) + path(k)) * host.get(t, 1.0)
+            servers.append(Server(inst.batch, took))
+    return servers
+
+
+def simulate_trace(phases: list[Any], *, plans: PlannedCapacity, setup: str, seed: int = 0,
+                   timeout_ms: float = 50.0, switch_s: float = 1.5, keep: float = 0.5,
+                   payback: bool = True, host: dict[int, float] | None = None,
+                   by_threads: bool = True) -> TraceRun:
+    """One trace (``bench_adaptive``'s phases) served by ``setup``: ``adaptive`` (B from 1, the policy
+    deciding, ``payback`` on or off) or ``static-B``; each request's latency kept.
+
+    An active-passive change (new thread counts, :meth:`PlannedCapacity.needs_processes`) takes
+    ``switch_s``: the old instances serve on throughout, each sub-batch ``1 / keep`` times as long,
+    and the new ones take over at its end (the policy then reads ``switch_s`` as the sampler reads the
+    history). A reshare takes effect at the next batch. What instances hold when replaced is answered
+    as they finish it.
+
+    ``host``: the instances serve at the profile's latency times ``host[threads]``, and the policy's plans
+    are divided by the ratio of the thread count serving (as a supervisor measures it from the
+    instances it has: on two cores, one thread count at a time); with ``by_threads`` each thread count
+    seen keeps its own ratio after (the supervisor's ``thread_ratios``), without it the last one
+    measured stands for every layout.
+    """
+    from dispatcher.estimation import EstimatorSettings
+
+    rng = random.Random(seed)
+    adaptive = setup == "adaptive"
+    current = 1 if adaptive else int(setup.split("-")[1])
+    policy, est = Policy(EstimatorSettings(switch_payback=payback)), Estimator()
+    policy.latency = plans.latency
+    policy.needs_processes = plans.needs_processes
+
+    seen: dict[int, float] = {}
+
+    def serving(batch: int) -> list[Server]:
+        if host:
+            layout = plans.layout(batch) or {}
+            threads = max((t for ts in layout.values() for t in ts), default=1)
+            plans.ratios = {"node": host.get(threads, 1.0)}
+            if by_threads:  # as the supervisor keeps each thread count's last measure
+                seen[threads] = host.get(threads, 1.0)
+                plans.thread_ratios = {"node": dict(seen)}
+        return true_servers(plans, batch, host)
+
+    servers = serving(current)
+    run = TraceRun(setup, seed)
+    ends = []
+    total = 0.0
+    for phase in phases:
+        total += phase.seconds
+        ends.append((total, phase))
+
+    def rate_at(t: float) -> float:
+        start = 0.0
+        for end, phase in ends:
+            if t < end:
+                return phase.rate(t - start)
+            start = end
+        return ends[-1][1].rate_to
+
+    holds: list[list[tuple[float, list[float]]]] = [[] for _ in servers]
+    retired: list[tuple[float, list[float]]] = []
+    waiting: deque[float] = deque()
+    pending: tuple[float, int] | None = None  # an active-passive change: (when it takes over, to B)
+    slow = 1.0
+    t, step, arrived, answered = 0.0, 0, 0, 0
+    next_arrival = rng.expovariate(rate_at(0.0))
+    while t < total or waiting or any(holds) or retired:
+        step += 1
+        t = step * STEP_S
+        while next_arrival <= t and next_arrival < total:
+            waiting.append(next_arrival)
+            arrived += 1
+            next_arrival += rng.expovariate(max(rate_at(next_arrival), 0.1))
+
+        def finish(entries: list[tuple[float, list[float]]]) -> int:
+            n = 0
+            while entries and entries[0][0] <= t:
+                done, arrivals = entries.pop(0)
+                run.requests.extend((a, (done - a) * 1000.0) for a in arrivals)
+                n += len(arrivals)
+            return n
+
+        for held in holds:
+            answered += finish(held)
+        retired.sort()
+        answered += finish(retired)
+        if pending is not None and t >= pending[0]:
+            for held in holds:
+                retired.extend(held)
+            current, pending, slow = pending[1], None, 1.0
+            servers = serving(current)
+            holds = [[] for _ in servers]
+            policy.switch_s = switch_s
+        idle = [j for j, held in enumerate(holds) if not held]
+        serve = idle or [j for j, held in enumerate(holds) if len(held) <= 1]
+        if serve and waiting:
+            size = sum(servers[j].share for j in serve)
+            if len(waiting) >= size or (t - waiting[0]) * 1000.0 >= timeout_ms:
+                take = min(size, len(waiting))
+                batch = [waiting.popleft() for _ in range(take)]
+                oldest = batch[0]
+                at = 0
+                for j, k in zip(serve, spread(take, [servers[j] for j in serve])):
+                    if k:
+                        held = holds[j]
+                        begin = max(t, held[-1][0] if held else t)
+                        held.append((begin + slow * servers[j].latency_ms(k) / 1000.0, batch[at:at + k]))
+                        at += k
+                policy.record_batch(t, take, take < size, (t - oldest) * 1000.0)
+        if not adaptive or step % round(SAMPLE_S / STEP_S) or t >= total:
+            continue
+        length = arrived - answered
+        policy.record_length(t, length, answered)
+        est.observe(length, current)
+        if pending is not None:
+            continue  # one change at a time, as the dispatcher keeps one request outstanding
+        predicted = max(s.latency_ms(s.share) for s in servers)
+        decision = policy.decide(t, current, est.b_tilde, est.q_tilde, predicted_ms=predicted, capacity=plans)
+        if decision is None:
+            continue
+        kind = "active-passive" if plans.needs_processes(current, decision.batch) else "reshare"
+        run.changes.append((round(t, 2), current, decision.batch, kind, decision.reason))
+        policy.changed(t, current, decision.batch)
+        if kind == "reshare":
+            current = decision.batch
+            servers = serving(current)
+            for j, held in enumerate(holds):  # kept instances keep what they hold
+                if j >= len(servers):
+                    retired.extend(held)
+            holds = [holds[j] if j < len(holds) else [] for j in range(len(servers))]
+        else:
+            pending, slow = (t + switch_s, decision.batch), 1.0 / keep
+    return run
+
+
+def trace_main(args: argparse.Namespace) -> int:
+    """``--trace``: the adaptive benchmark's trace, simulated over many seeds, adaptive (payback on and off)
+    against static B."""
+    from benchmarks.bench_adaptive import capacities, trace
+
+    host = ({int(k): float(v) for k, v in (item.split("=") for item in args.host.split(","))}
+            if args.host else None)
+    caps = capacities(args.model, args.cores, args.profile, args.graph, 1.0, host)
+    phases, notes = trace(caps, args.unit)
+    plans = PlannedCapacity(args.model, args.profile, args.graph, timeout_ms=50.0)
+    plans.budgets = {"node": args.cores}
+    setups = [s.strip() for s in args.setups.split(",")]
+    print(f"capacities {', '.join(f'B={b} {c:.1f}/s' for b, c in caps.items())}; "
+          f"switch {args.switch_s} s at {args.keep:.0%} of the capacity")
+    bounds, start = [], 0.0
+    for phase in phases:
+        bounds.append((phase.name, start, start + phase.seconds))
+        start += phase.seconds
+    results: dict[str, Any] = {"args": vars(args), "capacities": caps, "notes": notes, "setups": {}}
+    for setup in setups:
+        name, *flags = setup.split("+")
+        unknown = set(flags) - {"nopayback", "oneratio"}
+        if unknown:
+            raise SystemExit(f"unknown setup flags {sorted(unknown)} (nopayback, oneratio)")
+        plans.thread_ratios, plans.ratios = {}, {}
+        runs = [simulate_trace(phases, plans=plans, setup=name, seed=seed, switch_s=args.switch_s, keep=args.keep,
+                               payback="nopayback" not in flags, host=host, by_threads="oneratio" not in flags)
+                for seed in range(args.seeds)]
+        means = [r.mean_ms() or 0.0 for r in runs]
+        per_phase = {ph: statistics.median([r.mean_ms(a, b) or 0.0 for r in runs]) for ph, a, b in bounds}
+        changes = [len(r.changes) for r in runs]
+        ap = [sum(1 for c in r.changes if c[3] == "active-passive") for r in runs]
+        results["setups"][setup] = {"means_ms": means, "phase_median_ms": per_phase, "changes": changes,
+                                    "active_passive": ap, "runs": [r.changes for r in runs]}
+        print(f"{setup:20s} mean {statistics.median(means):7.0f} ms (seeds {min(means):.0f}-{max(means):.0f}); "
+              f"changes {statistics.median(changes):.0f} ({statistics.median(ap):.0f} active-passive); "
+              + ", ".join(f"{ph.split(' ')[0]} {ms:.0f}" for ph, ms in per_phase.items()))
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(results, indent=1))
+        print(f"written to {args.json_out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rate", type=float, required=True, help="arrivals per second")
+    ap.add_argument("--rate", type=float, default=None, help="arrivals per second (required without --trace)")
+    ap.add_argument("--trace", action="store_true",
+                    help="the adaptive benchmark's trace instead of one rate, with switch costs (--setups)")
+    ap.add_argument("--setups", default="adaptive,adaptive+nopayback+oneratio,static-32",
+                    help="with --trace: adaptive or static-B; adaptive+nopayback: the payback rule off; "
+                         "+oneratio: one served/profiled ratio for every thread count (as before 12-05)")
+    ap.add_argument("--unit", type=float, default=5.0, help="with --trace: one diurnal step (s)")
+    ap.add_argument("--graph", default="eager", help="the profile's mode (eager, torchscript, ...)")
+    ap.add_argument("--switch-s", type=float, default=1.5, help="with --trace: an active-passive switch's length")
+    ap.add_argument("--host", default=None,
+                    help="with --trace: the host's time over the profile's by thread count, e.g. 2=0.855,1=0.72 "
+                         "(what bench_adaptive --rate-scale auto measured)")
+    ap.add_argument("--keep", type=float, default=0.5,
+                    help="with --trace: the share of capacity the old instances keep during a switch")
     ap.add_argument("--start", type=int, default=1, help="B at the start of the warm-up")
     ap.add_argument("--rate-after", type=float, default=None, help="the rate after the warm-up (a step)")
     ap.add_argument("--seeds", type=int, default=10)
@@ -145,6 +373,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cores", type=int, default=16)
     ap.add_argument("--json-out", default=None, help="write the runs here (default: print only)")
     args = ap.parse_args(argv)
+    if args.trace:
+        return trace_main(args)
+    if args.rate is None:
+        ap.error("--rate is required without --trace")
     runs = [simulate(args.rate, args.start, profile=args.profile, cores=args.cores, seconds=args.seconds,
                      warm_s=args.warm_s, seed=seed, rate_after=args.rate_after, model=args.model)
             for seed in range(args.seeds)]

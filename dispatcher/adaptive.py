@@ -60,7 +60,8 @@ def estimator_settings(settings: Settings) -> EstimatorSettings:
         reconfigure_timeout_s=settings.reconfigure_timeout_s, up_timeout_s=settings.reconfigure_up_timeout_s,
         trigger_period_s=settings.trigger_period_s, up_utilisation=settings.reconfigure_up_utilisation,
         knee=settings.estimator_knee, switch_factor=settings.estimator_switch_factor,
-        switch_gain=settings.estimator_switch_gain,
+        switch_gain=settings.estimator_switch_gain, switch_payback=settings.estimator_switch_payback,
+        switch_keep=settings.estimator_switch_keep,
     )
 
 
@@ -89,6 +90,9 @@ class PlannedCapacity:
         #: Per node, served / profiled latency as its supervisor measures it (``optimizer.planning.drift``):
         #: a node serving 1.9x slower than its profile carries 1/1.9 of the planned load. 1 where unknown.
         self.ratios: dict[str, float] = {}
+        #: Per node, the same by instance thread count where measured (``SupervisorState.profile_ratios``): a
+        #: plan's instances take their own count's ratio, the node's where their count was not measured.
+        self.thread_ratios: dict[str, dict[int, float]] = {}
         #: Per (B, budgets, mode): each node's share and plan (:meth:`_plans`), None where no plan says.
         #: The ratios are applied at each call: they move every few seconds, the plans do not.
         self._cache: dict[tuple[Any, ...], dict[str, tuple[int, Configuration]] | None] = {}
@@ -101,15 +105,16 @@ class PlannedCapacity:
         # while the budgets, ratios and mode are the same objects (each is replaced, never changed
         # in place, when it changes).
         seen = self._values_for
-        if not seen or seen[0] is not self.budgets or seen[1] is not self.ratios or seen[2] != self.mode:
+        if (not seen or seen[0] is not self.budgets or seen[1] is not self.ratios or seen[2] != self.mode
+                or seen[3] is not self.thread_ratios):
             # The objects themselves are kept (not their ids, which a new dict may reuse).
-            self._values, self._values_for = {}, (self.budgets, self.ratios, self.mode)
+            self._values, self._values_for = {}, (self.budgets, self.ratios, self.mode, self.thread_ratios)
         if batch not in self._values:
             self._values[batch] = self._capacity(batch)
         return self._values[batch]
 
     def _capacity(self, batch: int) -> float | None:
-        """The sum over nodes of ``share / L`` by their plans, each divided by its node's ratio."""
+        """The sum over nodes of ``share / L`` by their plans, each divided by its ratio (:meth:`ratio`)."""
         plans = self._plans(batch)
         if plans is None:
             return None
@@ -118,23 +123,32 @@ class PlannedCapacity:
             latency = configuration.predicted_latency_ms
             if not latency:
                 return None
-            total += share / (latency / 1000.0) / self.ratios.get(node, 1.0)
+            ratio = max(self.ratio(node, inst.threads) for inst in configuration.instances)
+            total += share / (latency / 1000.0) / ratio
         return total or None
+
+    def ratio(self, node: str, threads: int) -> float:
+        """Served / profiled latency for ``threads``-thread instances on ``node``: that count's own where
+        measured, else the node's, else 1."""
+        own = self.thread_ratios.get(node, {}).get(threads)
+        return own if own is not None else self.ratios.get(node, 1.0)
 
     def latency(self, batch: int, rate: float) -> float | None:
         """The mean ms from arrival to answer at ``rate`` requests/s with B's plans; None where unknown.
 
         Simulated (:func:`dispatcher.queueing.mean_latency_ms`) over every
         node's instances, each sub-batch taking the profile's latency plus its
-        serving path, times its node's ratio. The rate is taken to the
-        nearest step of 2.5% and each answer kept (a simulation is about
+        serving path, times its ratio (:meth:`ratio`: by its thread count
+        where measured). The rate is taken to the nearest step of 2.5% and
+        each answer kept (a simulation is about
         15 ms, and the policy asks on every sample); the steps differ by
         less than a plan's prediction errs.
         """
         if rate <= 0:
             return None
         step = round(math.log(rate) / math.log(RATE_STEP))
-        key = (batch, step, tuple(sorted(self.budgets.items())), tuple(sorted(self.ratios.items())), self.mode)
+        key = (batch, step, tuple(sorted(self.budgets.items())), tuple(sorted(self.ratios.items())), self.mode,
+               tuple(sorted((n, tuple(sorted(r.items()))) for n, r in self.thread_ratios.items())))
         if key not in self._latencies:
             if len(self._latencies) > LATENCIES_KEPT:
                 self._latencies.clear()
@@ -153,9 +167,8 @@ class PlannedCapacity:
         latency, path = estimate
         servers = []
         for node, (_, configuration) in plans.items():
-            ratio = self.ratios.get(node, 1.0)
             for inst in configuration.instances:
-                def took(k: int, threads: int = inst.threads, ratio: float = ratio) -> float:
+                def took(k: int, threads: int = inst.threads, ratio: float = self.ratio(node, inst.threads)) -> float:
                     return (latency(threads, k) + path(k)) * ratio
                 servers.append(Server(inst.batch, took))
         return servers or None

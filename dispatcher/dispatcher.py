@@ -168,12 +168,17 @@ class Dispatcher:
         pipe = self.r.pipeline(transaction=False)
         for node in nodes:
             pipe.hgetall(self.keys.supervisor(self.model, node))
-        ratios = {}
+        ratios, by_threads = {}, {}
         for node, raw in zip(nodes, pipe.execute()):
             record = SupervisorState.parse(raw)  # an unreadable ratio parses as none
             ratio = record.profile_ratio if record is not None else None
             if ratio is not None and ratio > 0:
                 ratios[node] = min(max(round(ratio, 2), 0.25), 10.0)
+            per = record.ratios_by_threads() if record is not None else {}
+            if per:
+                by_threads[node] = {t: min(max(round(r, 2), 0.25), 10.0) for t, r in per.items()}
+        if by_threads != self.capacity.thread_ratios:
+            self.capacity.thread_ratios = by_threads
         if ratios != self.capacity.ratios:
             # Said at INFO only when some node's ratio moved by more than 10% (it wanders every read).
             moved = set(ratios) != set(self.capacity.ratios) or any(

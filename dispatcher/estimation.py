@@ -175,6 +175,13 @@ class EstimatorSettings(BaseModel):
                                description="Under a load no B carries, a move down that needs new processes "
                                            "(active-passive) is made only to a B that serves at least this "
                                            "fraction more than the current one (Policy.carrying).")
+    switch_payback: bool = Field(default=True,
+                                 description="A move down that needs new processes (active-passive) waits until the "
+                                             "latency it is predicted to save at the arrivals' rate has paid for "
+                                             "the backlog its switch is predicted to build (Policy.payback_s).")
+    switch_keep: float = Field(default=0.5, ge=0, le=1,
+                               description="The share of the current B's capacity still served while an "
+                                           "active-passive switch over-subscribes the cores (Policy.payback_s).")
     knee: float = Field(default=0.05, ge=0, lt=1,
                         description="B̃ is lowered to the smallest B up to it whose planned capacity is within "
                                     "this fraction of the best of them: a larger B that serves no more only "
@@ -312,6 +319,8 @@ class Policy:
     latency: Callable[[int, float], float | None] | None = None
     #: The last lowering :meth:`quickest` made: (from B, its ms, to B, its ms, the rate), for the reason.
     _faster: tuple[int, float, int, float, float] | None = None
+    #: The payback time (s) of the move down last looked at, where it, not ``switch_factor``, set the wait.
+    _payback: float | None = None
     #: Since when the stream has overrun the current B (:meth:`surge`; None: it does not).
     _overrun_since: float | None = None
     #: Per B, (requests/s it served under a backlog, when measured): :meth:`learn`, :meth:`effective`.
@@ -843,8 +852,11 @@ class Policy:
             # or a benchmark's flip (16 -> 2 by timeouts, 2 -> 16 by the estimate 0.36 s later) whose
             # rate was not recorded anywhere.
             served = self.effective(capacity, now)
+            reason = decision.reason
+            if decision.batch < current and self._payback is not None and math.isfinite(self._payback):
+                reason += f" (its switch paid back in {self._payback:.1f} s)"
             decision = dataclasses.replace(
-                decision, rate=self.rate(now),
+                decision, reason=reason, rate=self.rate(now),
                 serves=(served(current), served(decision.batch)) if served is not None else None)
         return decision
 
@@ -898,7 +910,7 @@ class Policy:
         up = b_tilde > current
         climbing = up and (self.last_change is not None and self.last_change[1] > self.last_change[0]
                            or (capacity is not None and self.short_of_capacity(now, current, capacity)))
-        switch_wait = 0.0 if up else self.switch_wait(current, b_tilde)
+        switch_wait = 0.0 if up else self.switch_wait(current, b_tilde, now, capacity, planned)
         # Right after a move down, the stream holds what arrived while the change was carried out (an
         # active-passive change over-subscribes the cores for a second or two): a large estimate or a
         # long queueing delay then says how long the change took, not what the load needs. Up moves
@@ -976,7 +988,9 @@ class Policy:
         """Whether the plans say going from ``current`` to ``target`` takes new processes (False: unknown)."""
         return self.needs_processes is not None and self.needs_processes(current, target)
 
-    def switch_wait(self, current: int, target: int) -> float:
+    def switch_wait(self, current: int, target: int, now: float | None = None,
+                    capacity: Callable[[int], float | None] | None = None,
+                    planned: Callable[[int], float | None] | None = None) -> float:
         """What a move down waits beyond its timeout for the switch it takes: ``switch_factor`` × the last
         active-passive change's over-subscribed seconds, when the plans say it needs new processes.
 
@@ -990,10 +1004,69 @@ class Policy:
         switch's length keeps such a round trip to at most a third of the
         time; a reshare (same instances, other shares) costs nothing and
         waits nothing more. Moves up never wait for it: the load must be served.
+
+        Under load, twice the switch is not enough: the switch's backlog
+        drains at what the smaller B serves beyond the arrivals, and near its
+        capacity that takes the rest of the phase. With ``now`` and
+        ``capacity`` given (and ``switch_payback``), the wait is at least
+        :meth:`payback_s`.
         """
         if not self.switch_s or not self.needs_switch(current, target):
+            self._payback = None
             return 0.0
-        return self.settings.switch_factor * self.switch_s
+        wait = self.settings.switch_factor * self.switch_s
+        if self.settings.switch_payback and now is not None and capacity is not None:
+            payback = self.payback_s(now, current, target, capacity, planned)
+            self._payback = payback if payback > wait else None
+            wait = max(wait, payback)
+        return wait
+
+    def payback_s(self, now: float, current: int, target: int, capacity: Callable[[int], float | None],
+                  planned: Callable[[int], float | None] | None = None) -> float:
+        """How long a move from ``current`` to ``target`` that needs an active-passive switch must be asked
+        for before the latency it saves has paid for the backlog its switch builds (seconds; 0: nothing
+        known, or nothing to pay; ``math.inf``: it never pays).
+
+        A rent-or-buy rule (the ski-rental problem): staying at ``current``
+        costs, each second, ``rate`` × (its predicted latency − the
+        target's) in request-seconds; switching costs once what its
+        over-subscribed seconds add to the wait of the requests around it.
+        Waiting until the first has added up to the second never pays more
+        than twice what knowing the future would (the deterministic
+        ski-rental bound), without guessing how long the load will stay.
+
+        The switch's cost: for ``switch_s`` (the last switch's over-subscribed
+        seconds) only ``switch_keep`` of the current B's capacity serves, so a
+        backlog of (rate − keep × capacity) × switch_s builds; the target
+        then drains it at its capacity less the rate. Every request in it
+        waits, on average, half of the switch plus half of the drain. Read at
+        the arrivals' high bound (:meth:`rate_bound`), as every move down is.
+        A current B that does not carry the arrivals: nothing to wait for
+        (staying builds a backlog too). A target that does not carry them:
+        never. Why: on the Zen 4 host (12-05 08:47) B=32 moved to B=4 at 23.3
+        requests/s arriving, 97% of what B=4 was thought to serve; the switch
+        over-subscribed the cores 2.6 s and its backlog lasted the rest of the
+        phase (p50 1,271 ms against 370 for static B=32), after 2 x 1.2 s of
+        the flat wait.
+        """
+        if self.latency is None or not self.switch_s:
+            return 0.0
+        rate = self.rate_bound(now)
+        cap, cap_new = capacity(current), capacity(target)
+        if not rate or cap is None or cap_new is None or rate >= cap:
+            return 0.0
+        if rate >= cap_new:
+            return math.inf
+        d = self.switch_s
+        backlog = max(0.0, rate - self.settings.switch_keep * cap) * d
+        if backlog <= 0:
+            return 0.0
+        cost = backlog * (d + backlog / (cap_new - rate)) / 2.0  # request-seconds
+        ms, target_ms = (self._predicted(b, rate, capacity, planned) for b in (current, target))
+        if ms is None or target_ms is None:
+            return 0.0
+        saved = rate * (ms - target_ms) / 1000.0  # request-seconds a second
+        return math.inf if saved <= 0 else cost / saved
 
     @staticmethod
     def _reason(estimated: int, worth: int, target: int,

@@ -211,7 +211,7 @@ class DispatcherState(LiveRecord):
 class SupervisorState(LiveRecord):
     """The supervisor of one model on one node (``<prefix>:supervisor:<model>:<node>``)."""
 
-    LISTS: ClassVar[dict[str, type]] = {"instances": str}
+    LISTS: ClassVar[dict[str, type]] = {"instances": str, "profile_ratios": str}
 
     node: str = ""
     generation: int = 1
@@ -229,6 +229,22 @@ class SupervisorState(LiveRecord):
     #: Served / profiled latency, the median over its instances at their own (t, b)
     #: (``optimizer.planning.drift``); None until measured or without a profile.
     profile_ratio: float | None = None
+    #: The same by instance thread count, ``threads=ratio``, each the last measured within
+    #: ``workers.supervisor.THREAD_RATIO_TTL_S`` (a layout not serving now keeps its last measure).
+    profile_ratios: list[str] = []
+
+    def ratios_by_threads(self) -> dict[int, float]:
+        """``profile_ratios`` parsed (items that do not parse are left out)."""
+        out = {}
+        for item in self.profile_ratios:
+            threads, _, ratio = item.partition("=")
+            try:
+                t, r = int(threads), float(ratio)
+            except ValueError:
+                continue
+            if t > 0 and r > 0:
+                out[t] = r
+        return out
 
 
 def _judge(state: str, heartbeat: float, interval: float, now: float) -> str:

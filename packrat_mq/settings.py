@@ -127,6 +127,16 @@ class Settings(BaseSettings):
                     "to a B that serves at least this fraction more than the current one: the switch "
                     "over-subscribes the cores for seconds, and a few percent is within a measure's noise.",
     )
+    estimator_switch_payback: bool = Field(
+        default=True,
+        description="A move down that needs new processes (active-passive) waits until the latency it is predicted "
+                    "to save has paid for the backlog its switch is predicted to build (rent or buy).",
+    )
+    estimator_switch_keep: float = Field(
+        default=0.5, ge=0, le=1,
+        description="The share of the current B's capacity the payback rule counts on while a switch "
+                    "over-subscribes the cores.",
+    )
     adaptive_min_batch: int = Field(default=1, ge=1, description="Smallest B the estimator asks for.")
     adaptive_max_batch: int = Field(default=32, ge=1, description="Largest B the estimator asks for.")
     trigger_period_s: float = Field(

@@ -34,3 +34,26 @@ def test_the_command_reports_and_writes_its_runs(tmp_path: Path, capsys) -> None
     result = json.loads(out.read_text())
     assert result["args"]["rate"] == 12.0 and len(result["runs"]) == 1
     assert result["changes"] == len(result["runs"][0]["changes"])
+
+
+def test_the_trace_mode_answers_every_request_once_and_counts_the_switches(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """``--trace``: the adaptive benchmark's phases, each setup over the same seeds; static B never changes."""
+    from benchmarks.bench_adaptive import capacities, trace
+    from dispatcher.adaptive import PlannedCapacity
+
+    phases, _ = trace(capacities("profiled", 16, PROFILE, "eager", 1.0), 1.0)
+    plans = PlannedCapacity("profiled", PROFILE, timeout_ms=50.0)
+    plans.budgets = {"node": 16}
+    adaptive = bench_policy.simulate_trace(phases, plans=plans, setup="adaptive", seed=0, switch_s=0.5)
+    static = bench_policy.simulate_trace(phases, plans=plans, setup="static-32", seed=0, switch_s=0.5)
+    assert len(adaptive.requests) == len(static.requests) > 100, "the same arrivals, each answered once"
+    assert all(ms > 0 for _, ms in adaptive.requests + static.requests)
+    assert static.changes == [] and adaptive.changes
+    assert {kind for _, _, _, kind, _ in adaptive.changes} <= {"reshare", "active-passive"}
+    assert adaptive.mean_ms(0.0, phases[0].seconds) < static.mean_ms(0.0, phases[0].seconds)  # type: ignore[operator]
+    out = tmp_path / "trace.json"
+    assert bench_policy.main(["--trace", "--model", "profiled", "--profile", PROFILE, "--cores", "16", "--unit", "1",
+                              "--seeds", "1", "--setups", "adaptive,adaptive+nopayback+oneratio,static-32",
+                              "--json-out", str(out)]) == 0
+    assert "static-32" in capsys.readouterr().out
+    assert set(json.loads(out.read_text())["setups"]) == {"adaptive", "adaptive+nopayback+oneratio", "static-32"}

@@ -651,3 +651,8 @@ def test_the_dispatcher_reads_what_its_supervisors_measured_of_the_profile(r: re
     d._last_beat = d._ratios_read_at = 0.0
     d.heartbeat()
     assert d.capacity.ratios == {}, "an unreadable ratio is no ratio"
+    # By thread count: each layout is planned by its own count's measure.
+    r.hset(settings.keys.supervisor(MODEL, node), "profile_ratios", "1=0.72,2=0.86,x=3")
+    d._last_beat = d._ratios_read_at = 0.0
+    d.heartbeat()
+    assert d.capacity.thread_ratios == {node: {1: 0.72, 2: 0.86}}

@@ -19,6 +19,13 @@ def test_the_ratio_is_the_median_over_instances_at_their_own_points() -> None:
     assert "a (1x1) 100.0 ms against 50.0 ms" in check.describe()
 
 
+def test_the_ratio_by_thread_count_is_each_counts_median() -> None:
+    check = check_profile(PROFILE, [Served("a", 1, 1, 100.0, 9), Served("b", 2, 1, 57.0, 9),
+                                    Served("c", 1, 4, 190.0, 9)])
+    assert check.by_threads() == {1: pytest.approx((2.0 + 190.0 / 180.0) / 2), 2: pytest.approx(1.9)}
+    assert check_profile(PROFILE, []).by_threads() == {}
+
+
 def test_within_the_tolerance_is_not_off_either_way() -> None:
     assert not check_profile(PROFILE, [Served("a", 1, 1, 60.0, 9)]).off  # 1.2x
     assert check_profile(PROFILE, [Served("a", 1, 1, 35.0, 9)]).off  # 0.7x: faster than profiled is drift too

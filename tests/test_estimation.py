@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -398,6 +399,35 @@ def test_planned_capacity_follows_what_serving_measures(tmp_path) -> None:  # ty
     assert planned == pytest.approx(16 / 0.008)
     cap.ratios = {"n1": 2.0}  # n1 serves twice as slow as profiled, n2 not measured (1)
     assert cap(16) == pytest.approx(planned / 2 / 2 + planned / 2)  # each node plans half of B
+
+
+def test_each_thread_count_is_planned_by_its_own_served_ratio(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The Zen 4 host (12-05): one 2-thread instance served 0.86x the profile's time, two 1-thread ones 0.72x.
+
+    Read off the 1-thread instances alone, B=4 (one 2-thread instance) was planned at 23.9 requests/s
+    against the 19.9 it served, and B=32 moved to it at 23.3/s arriving.
+    """
+    from dispatcher.adaptive import PlannedCapacity
+    from optimizer.planning.profile import Profile, ProfileEntry
+
+    entries = (ProfileEntry(threads=2, batch=4, mean_ms=100.0), ProfileEntry(threads=1, batch=4, mean_ms=400.0),
+               ProfileEntry(threads=1, batch=16, mean_ms=1000.0), ProfileEntry(threads=2, batch=32, mean_ms=2000.0),
+               ProfileEntry(threads=1, batch=2, mean_ms=200.0), ProfileEntry(threads=2, batch=2, mean_ms=60.0),
+               ProfileEntry(threads=1, batch=8, mean_ms=800.0), ProfileEntry(threads=2, batch=8, mean_ms=200.0),
+               ProfileEntry(threads=1, batch=1, mean_ms=100.0), ProfileEntry(threads=2, batch=1, mean_ms=30.0),
+               ProfileEntry(threads=2, batch=16, mean_ms=1000.0))
+    path = Profile(model="tiny", entries=entries).save(tmp_path / "p.json")
+    cap = PlannedCapacity("tiny", str(path))
+    cap.budgets = {"n": 2}
+    assert cap.layout(4) == {"n": frozenset({2})} and cap.layout(32) == {"n": frozenset({1})}
+    four, thirty_two = cap(4), cap(32)
+    cap.ratios = {"n": 0.72}  # the node's ratio, measured on 1-thread instances: every plan divided by it
+    assert cap(4) == pytest.approx(four / 0.72) and cap(32) == pytest.approx(thirty_two / 0.72)
+    cap.thread_ratios = {"n": {1: 0.72, 2: 0.86}}
+    assert cap(4) == pytest.approx(four / 0.86) and cap(32) == pytest.approx(thirty_two / 0.72)
+    assert cap.ratio("n", 2) == 0.86 and cap.ratio("n", 4) == 0.72 and cap.ratio("m", 1) == 1.0
+    slow = cap.servers(4)
+    assert slow is not None and slow[0].latency_ms(4) == pytest.approx(100.0 * 0.86)
 
 
 def test_an_estimate_four_times_b_moves_it_up_however_idle_the_rate_looks() -> None:
@@ -1193,3 +1223,68 @@ def test_the_switch_gain_is_a_setting() -> None:
 
     assert estimator_settings(Settings(estimator_switch_gain=0.25)).switch_gain == 0.25
     assert EstimatorSettings().switch_gain == 0.1
+
+
+# --- a switch must pay for itself ----------------------------------------------------------
+ZEN4 = {1: 15.4, 2: 17.8, 4: 20.4, 8: 20.4, 16: 22.5, 32: 24.3}  # 12-05, each by its thread count's ratio
+#: A full batch's ms: B=4 one 2-thread instance, B=16 and 32 two 1-thread ones (batches cut by the wait).
+SERVICE = {1: 65.0, 2: 112.0, 4: 196.0, 8: 392.0, 16: 700.0, 32: 700.0}
+
+
+def _zen4_policy(rate: float, **settings: Any) -> Policy:
+    """B=32 is two 1-thread instances, B <= 8 one 2-thread one; the last switch over-subscribed 1.2 s."""
+    policy = Policy(EstimatorSettings(**settings), needs_processes=lambda a, b: (a >= 16) != (b >= 16))
+    policy.switch_s = 1.2
+
+    def latency(batch: int, r: float) -> float | None:  # M/D/1's wait on a batch's time
+        rho = r / ZEN4[batch]
+        return None if rho >= 1 else SERVICE[batch] * (1 + rho / (2 * (1 - rho)))
+    policy.latency = latency
+    policy.rate_bound = lambda now: rate  # type: ignore[method-assign]  # the arrivals' high bound, known
+    policy._count_bound = lambda now: rate  # type: ignore[method-assign]
+    return policy
+
+
+def test_the_payback_of_a_switch_grows_with_the_load() -> None:
+    """Below half the capacity the switch builds no backlog; near the target's capacity its backlog takes
+    long to drain, and the move must be asked for long; where the target is no sooner, or does not carry
+    the load, never."""
+    def payback(rate: float, target: int = 4) -> float:
+        return _zen4_policy(rate).payback_s(0.0, 32, target, ZEN4.get)
+
+    assert payback(10.0) == 0.0
+    assert 0.0 < payback(15.0) < 1.0
+    assert payback(19.0) > 10 * payback(15.0)
+    assert payback(19.4) == math.inf, "B=4 is predicted no sooner there"
+    assert payback(21.0) == math.inf, "B=4 does not carry 21/s"
+    assert payback(25.0) == 0.0, "B=32 does not carry it either: staying builds a backlog too"
+    policy = _zen4_policy(19.0)
+    assert policy.switch_wait(32, 16, 0.0, ZEN4.get) == 0.0, "a reshare waits for nothing"
+    assert policy.switch_wait(32, 4, 0.0, ZEN4.get) == pytest.approx(payback(19.0))
+    assert _zen4_policy(15.0).switch_wait(32, 4, 0.0, ZEN4.get) == pytest.approx(2 * 1.2), "at least twice the switch"
+    policy.switch_s = 0.0
+    assert policy.payback_s(0.0, 32, 4, ZEN4.get) == 0.0, "no switch measured yet: nothing delayed on a guess"
+    off = _zen4_policy(19.0, switch_payback=False)
+    assert off.switch_wait(32, 4, 0.0, ZEN4.get) == pytest.approx(2 * 1.2), "off: twice the switch, as before"
+
+
+@pytest.mark.parametrize("payback", [True, False])
+def test_a_move_down_near_the_targets_capacity_waits_for_its_payback(payback: bool) -> None:
+    """The Zen 4 trace's diurnal-5 (12-05 08:47): near B=4's capacity, B=32 went to B=4 by the timeouts after
+    the timeout and twice the last switch (1 + 2 x 1.2 s), and the switch's backlog lasted the rest of the
+    phase. At 19.2/s its payback is 7 s: the move waits that long."""
+    policy = _zen4_policy(19.2, switch_payback=payback)
+    expected = policy.payback_s(0.0, 32, 4, ZEN4.get) if payback else 2 * 1.2
+    assert 6.5 < policy.payback_s(0.0, 32, 4, ZEN4.get) < 7.5
+    t = 100.0
+    policy.decide(t, 32, 32)
+    decision = None
+    while t < 130.0 and decision is None:
+        t += 0.005
+        policy.record_length(t, 20, int(19.2 * (t - 100.0)))
+        if round(t * 200) % 10 == 0:
+            policy.record_batch(t, 2, True, 5.0)
+        decision = policy.decide(t, 32, 4, 4.0, capacity=ZEN4.get)
+    assert decision is not None and decision.batch == 4
+    assert expected <= t - 100.0 <= expected + 1.1  # asked for from the start, the timeouts trigger's dwell
+    assert ("paid back" in decision.reason) == payback

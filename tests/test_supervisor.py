@@ -387,6 +387,12 @@ def test_serving_slower_than_the_profile_is_measured_and_warned_about_once(
     sup._beat()
     state = SupervisorState.load(r, settings.keys.supervisor("sleep", "n1"))
     assert state is not None and state.profile_ratio == pytest.approx(check.ratio, rel=0.01)
+    # By thread count too, kept across checks (a layout not serving now keeps its last measure).
+    assert state.ratios_by_threads() == {1: pytest.approx(check.ratio, rel=0.01)}
+    sup.thread_ratios[2] = (0.86, time.monotonic())
+    sup._beat()
+    state = SupervisorState.load(r, settings.keys.supervisor("sleep", "n1"))
+    assert state is not None and state.ratios_by_threads() == {1: pytest.approx(check.ratio, rel=0.01), 2: 0.86}
 
 
 def test_after_a_reshare_the_profile_is_held_against_the_new_share(

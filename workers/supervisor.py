@@ -56,6 +56,9 @@ log = logging.getLogger("packrat_mq.supervisor")
 
 #: How often a supervisor holds what its instances serve against the profile (seconds).
 PROFILE_CHECK_S = 10.0
+#: How long a thread count's served / profiled ratio is kept once no instance of that count serves (seconds):
+#: the estimator plans the other layouts with it, and a host's speed drifts within tens of minutes.
+THREAD_RATIO_TTL_S = 600.0
 #: How often a supervisor sweeps its host's payload files in shared memory for ones past ``shm_ttl_s``.
 SHM_SWEEP_S = 60.0
 
@@ -253,6 +256,9 @@ class Supervisor:
         self.totals = Totals()
         #: The last comparison of what its instances serve with the profile (see :meth:`check_profile`).
         self.profile_check: drift.ProfileCheck | None = None
+        #: Per instance thread count, (served / profiled, when measured): kept across changes, so that the
+        #: estimator plans a layout not serving now by its own last measure (``drift.ProfileCheck.by_threads``).
+        self.thread_ratios: dict[int, tuple[float, float]] = {}
         self._profile_checked_at = 0.0
         self._shm_swept_at = 0.0
         self._profile_warned = False
@@ -921,6 +927,10 @@ class Supervisor:
         if check.ratio is None:
             return self.profile_check
         self.profile_check = check
+        now = time.monotonic()
+        for threads, ratio in check.by_threads().items():
+            self.thread_ratios[threads] = (ratio, now)
+        self.thread_ratios = {t: v for t, v in self.thread_ratios.items() if now - v[1] <= THREAD_RATIO_TTL_S}
         if check.off and not self._profile_warned:
             self._profile_warned = True
             command = quick_profile_command(self.model, path, mode=self.graph_mode,
@@ -961,6 +971,7 @@ class Supervisor:
             spares=self.spares_loaded(), spares_wanted=self.spare_cap(),
             profile_ratio=round(self.profile_check.ratio, 3) if self.profile_check and self.profile_check.ratio
             else None,
+            profile_ratios=[f"{t}={r:.3f}" for t, (r, _) in sorted(self.thread_ratios.items())],
         )
         try:
             pipe = self.r.pipeline(transaction=False)
