@@ -661,7 +661,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="multiply the profile's capacities (and so every rate of the trace) by this: on a host "
                         "slower than its profile (`status` says \"served 1.3x the profile\"), 1/1.3 keeps the "
                         "trace's phases at the loads they are meant to be instead of past saturation; `auto` "
-                        "measures the ratio first (a real model only: about 30 s)")
+                        "measures the ratio first (a real model only: about 30 s); `2=0.86,1=0.72` takes "
+                        "those ratios by instance thread count as measured (the same trace for both sides of "
+                        "an A/B)")
     p.add_argument("--setups", default="adaptive,static-1,static-32")
     p.add_argument("--shm", nargs="?", const="new", default=None, choices=("new", "keep"),
                    help="payloads in shared memory (payload_shm, a /dev/shm directory per setup), not in Redis: "
@@ -692,6 +694,10 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("--rate-scale auto: the profile has neither (T, 1) nor (1, 2)")
         print("host / profile: " + ", ".join(f"{t}-thread instances {v:.2f}x" for t, v in measured.items()),
               flush=True)
+        args.rate_scale = 1.0
+        caps = capacities(args.model, args.threads, profile, args.graph, 1.0, host=measured)
+    elif "=" in args.rate_scale:
+        measured = {int(k): float(v) for k, v in (item.split("=") for item in args.rate_scale.split(","))}
         args.rate_scale = 1.0
         caps = capacities(args.model, args.threads, profile, args.graph, 1.0, host=measured)
     else:

@@ -1042,8 +1042,8 @@ class Policy:
         waits, on average, half of the switch plus half of the drain. Read at
         the arrivals' high bound (:meth:`rate_bound`), as every move down is.
         A current B that does not carry the arrivals: nothing to wait for
-        (staying builds a backlog too). A target that does not carry them:
-        never. Why: on the Zen 4 host (12-05 08:47) B=32 moved to B=4 at 23.3
+        (staying builds a backlog too) if the target serves ``switch_gain``
+        more, else never. A target that does not carry them: never. Why: on the Zen 4 host (12-05 08:47) B=32 moved to B=4 at 23.3
         requests/s arriving, 97% of what B=4 was thought to serve; the switch
         over-subscribed the cores 2.6 s and its backlog lasted the rest of the
         phase (p50 1,271 ms against 370 for static B=32), after 2 x 1.2 s of
@@ -1053,8 +1053,13 @@ class Policy:
             return 0.0
         rate = self.rate_bound(now)
         cap, cap_new = capacity(current), capacity(target)
-        if not rate or cap is None or cap_new is None or rate >= cap:
+        if not rate or cap is None or cap_new is None:
             return 0.0
+        if rate >= cap:
+            # Staying builds a backlog too: the switch is worth it only for capacity (``switch_gain`` more, as in
+            # :meth:`carrying`). The Zen 4 host (12-05 13:09): at 24.5/s arriving, B=32 (22.8/s) went to
+            # B=4 (22.3/s) by the timeouts, whose rate window read less, and back 2 s later.
+            return 0.0 if cap_new > (1 + self.settings.switch_gain) * cap else math.inf
         if rate >= cap_new:
             return math.inf
         d = self.switch_s

@@ -1257,7 +1257,10 @@ def test_the_payback_of_a_switch_grows_with_the_load() -> None:
     assert payback(19.0) > 10 * payback(15.0)
     assert payback(19.4) == math.inf, "B=4 is predicted no sooner there"
     assert payback(21.0) == math.inf, "B=4 does not carry 21/s"
-    assert payback(25.0) == 0.0, "B=32 does not carry it either: staying builds a backlog too"
+    assert payback(25.0) == math.inf, "B=32 does not carry it either, and B=4 serves less"
+    assert payback(25.0, target=2) == math.inf
+    faster = _zen4_policy(25.0)
+    assert faster.payback_s(0.0, 4, 32, ZEN4.get) == 0.0, "B=32 serves 19% more: staying builds a backlog"
     policy = _zen4_policy(19.0)
     assert policy.switch_wait(32, 16, 0.0, ZEN4.get) == 0.0, "a reshare waits for nothing"
     assert policy.switch_wait(32, 4, 0.0, ZEN4.get) == pytest.approx(payback(19.0))
