@@ -88,5 +88,9 @@ def test_the_prediction_at_the_speed_served_now(r: redis.Redis, settings: Settin
     doc = collect_status(r, keys)
     (m,) = doc["models"]
     assert m["predicted_now_ms"] == 52.0  # the median node's ratio, 1.3
+    r.hset(keys.supervisor("m1", "a"), "profile_ratios", "1=0.72,2=0.86")
+    (m,) = collect_status(r, keys)["models"]
+    by_node = {sup["node"]: sup["profile_ratios"] for sup in m["supervisors"]}
+    assert by_node == {"a": {"1": 0.72, "2": 0.86}, "b": {}, "c": {}}
     doc["redis_url"] = "redis://x"
     assert "40.00 ms from the profile, 52.00 ms at the speed served now" in render(doc, "packrat")

@@ -112,6 +112,8 @@ def collect_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
                 # Served / profiled latency at the instances' own (t, b): far from 1, the profile is not
                 # this machine's now (optimizer.planning.drift).
                 "profile_ratio": sup.profile_ratio if sup else None,
+                # The same by instance thread count, each the last measured: the estimator plans each layout by it.
+                "profile_ratios": {str(t): r for t, r in sup.ratios_by_threads().items()} if sup else {},
             })
             if sup is not None and sup.phase:
                 entry["reconfiguring"] = {"node": node, "phase": sup.phase, "to": sup.target}
