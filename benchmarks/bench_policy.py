@@ -149,25 +149,15 @@ class TraceRun:
 def true_servers(plans: PlannedCapacity, batch: int, host: dict[int, float] | None) -> list[Server]:
     """B's instances as the host serves them: the profile's latency times ``host[threads]`` (the host's time
     over the profile's by instance thread count, as ``bench_adaptive --rate-scale auto`` measures it)."""
-    if not host:
-        servers = plans.servers(batch)
-        if servers is None:
-            raise ValueError(f"no plan for B={batch}")
-        return servers
-    ratios, plans.ratios = plans.ratios, {}
+    seen = plans.ratios, plans.thread_ratios
+    if host:  # the plans with the host's own ratios, whatever the policy has measured of them
+        plans.ratios, plans.thread_ratios = {}, {node: dict(host) for node in plans.budgets}
     try:
-        layout, estimate = plans._plans(batch), plans._estimate()  # noqa: SLF001 - the plans, without any ratio
+        servers = plans.servers(batch)
     finally:
-        plans.ratios = ratios
-    if layout is None or estimate is None:
+        plans.ratios, plans.thread_ratios = seen
+    if servers is None:
         raise ValueError(f"no plan for B={batch}")
-    latency, path = estimate
-    servers = []
-    for _, configuration in layout.values():
-        for inst in configuration.instances:
-            def took(k: int, t: int = inst.threads) -> float:
-                return (latency(t, k) + path(k)) * host.get(t, 1.0)
-            servers.append(Server(inst.batch, took))
     return servers
 
 
