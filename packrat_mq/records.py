@@ -171,6 +171,8 @@ class InstanceState(LiveRecord):
     served_batch: int | None = None
     served_ms: float | None = None
     served_batches: int = 0
+    #: Seconds its first sub-batch after a change waited for the instances leaving its cores (a handover).
+    held_s: float | None = None
 
 
 class DispatcherState(LiveRecord):

@@ -157,6 +157,12 @@ class Settings(BaseSettings):
         description="A spare is pre-started only while the machine's CPU use since the supervisor's previous "
                     "check is at most this fraction: loading a model beside serving instances slows them. "
                     "1: whenever one is missing.")
+    handover_timeout_s: float = Field(
+        default=10.0, ge=0,
+        description="In an active-passive change whose new instances take cores of the instances they replace, "
+                    "each new instance holds its first sub-batch until those have answered what they hold, at "
+                    "most this long: the two sets running on the same cores slow each other down by more than "
+                    "they share (docs/decisions.md). 0: they run side by side.")
     spare_min_free_fraction: float = Field(
         default=0.1, ge=0, lt=1,
         description="A spare is kept or started only while the machine's available memory stays above this "

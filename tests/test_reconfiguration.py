@@ -85,6 +85,8 @@ class Load:
         self.sent: list[str] = []
         self.replies: Counter[str] = Counter()
         self.errors: list[str] = []
+        #: (instance, received at (epoch s), inference_ms) of every reply.
+        self.timings: list[tuple[str, float, float]] = []
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(clients)]
 
@@ -97,6 +99,7 @@ class Load:
                 client.send(self.model, self.payload, request_id=rid)
                 for reply in client.gather([rid], timeout=60):
                     self.replies[reply.id] += 1
+                    self.timings.append((reply.fields.get("instance", ""), reply.received_at, reply.inference_ms))
                     if not reply.ok:
                         self.errors.append(f"{reply.id}: {reply.error}")
         finally:
@@ -201,6 +204,32 @@ def test_active_passive_switch_under_load(make: MakeSupervisor, r: redis.Redis, 
     served_by = {i.record.id for i in sup.instances} | {old.record.id}
     assert set(r.smembers(settings.keys.instances("sleep"))) == {i.record.id.encode() for i in sup.instances}
     assert served_by
+    assert_exactly_once(load, r, settings)
+
+
+@TWO_CORES
+def test_new_instances_on_the_cores_of_leaving_ones_serve_once_those_have_drained(
+        make: MakeSupervisor, r: redis.Redis, settings: Settings, redis_url: str, prefix: str) -> None:
+    """The handover: on cores shared with the instance it replaces, a new instance's first sub-batch
+    waits until the old one has answered what it held (side by side, OpenMP instances slow each other
+    down by more than they share), and the history says how long it waited."""
+    sup = make("sleep", "2x4")
+    sup.start(ready_timeout=60)
+    old = sup.instances[0].record.id
+    with Load(redis_url, prefix, "sleep", clients=6, payload={"sleep_ms": 150}) as load:
+        time.sleep(0.8)
+        change = sup.reconfigure(Configuration.parse("1x2,1x2"))
+        assert change.oversubscribed and change.handing_over == [i.record.id for i in sup.passive]
+        supervise_until(sup, lambda: sup.change is None, 60, "the switch")
+        time.sleep(0.6)
+    (entry,) = history(r, settings, "sleep")
+    assert entry["status"] == "done" and entry["handover"] is True
+    assert entry["held_s"] is not None and entry["held_s"] >= 0
+    old_done = max(at for instance, at, _ in load.timings if instance == old)
+    new_began = min(at - ms / 1000.0 for instance, at, ms in load.timings if instance != old)
+    # Each reply is read after its batch ended: a new batch began no earlier than this, the old one's last
+    # ended no later (50 ms for the client threads' own scheduling; a batch here sleeps 150 ms).
+    assert new_began >= old_done - 0.05, (new_began, old_done)
     assert_exactly_once(load, r, settings)
 
 

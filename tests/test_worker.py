@@ -505,3 +505,80 @@ def test_a_sub_batch_after_a_pause_is_not_timed(r: redis.Redis, settings: Settin
         assert step(w) == 1
         time.sleep(0.02)
     assert w.record().served_batches == 0 and w.record().served_ms is None
+
+
+# --- handover: the first sub-batch after a change waits for the instances leaving its cores ---
+def test_the_first_sub_batch_waits_until_the_instances_leaving_its_cores_have_drained(
+        r: redis.Redis, settings: Settings) -> None:
+    """Run beside the instances it replaces, a new instance slows them and itself (OpenMP threads of
+    each wait for the other's at every barrier): it serves once their queues are empty, and says how long
+    it waited."""
+    old = make_worker(r, settings, instance_id="old")
+    new = make_worker(r, settings, instance_id="new", after=["old"])
+    push(r, old, [request(0)], batch_id="held-by-old")
+    push(r, new, [request(1)], batch_id="first-of-new")
+    served_at: dict[str, float] = {}
+
+    def serve_new() -> None:
+        step(new)
+        served_at["new"] = time.monotonic()
+
+    t = threading.Thread(target=serve_new)
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive() and "new" not in served_at and new.handler.calls == 0  # type: ignore[attr-defined]
+    drained_at = time.monotonic()
+    assert step(old) == 1  # the old one answers what it held: its queue is empty
+    t.join(5)
+    assert not t.is_alive() and served_at["new"] >= drained_at
+    assert [text(f, "id") for f in replies(r)] == ["req-0", "req-1"]
+    held = new.record().held_s
+    assert held is not None and held >= 0.3
+    assert float(r.hget(new.instance_key, "held_s")) == held
+    # Only the first sub-batch after the change waits: the next is served at once.
+    push(r, old, [request(2)], batch_id="old-again")
+    push(r, new, [request(3)], batch_id="second-of-new")
+    began = time.monotonic()
+    assert step(new) == 1 and time.monotonic() - began < 0.2
+
+
+def test_a_handover_waits_no_longer_than_its_timeout(r: redis.Redis, settings: Settings) -> None:
+    """A leaving instance that died holding work keeps its queue until the dispatcher takes it back: the
+    new one serves beside it after ``handover_timeout_s``, and with 0 it never waits."""
+    old = make_worker(r, settings, instance_id="old")
+    push(r, old, [request(0)], batch_id="never-answered")
+    new = make_worker(r, settings.model_copy(update={"handover_timeout_s": 0.2}), instance_id="new",
+                      after=["old"])
+    push(r, new, [request(1)])
+    began = time.monotonic()
+    assert step(new) == 1
+    assert 0.2 <= time.monotonic() - began < 2.0
+    assert [text(f, "id") for f in replies(r)] == ["req-1"]
+    off = make_worker(r, settings.model_copy(update={"handover_timeout_s": 0.0}), instance_id="off",
+                      after=["old"])
+    push(r, off, [request(2)], batch_id="b-off")
+    began = time.monotonic()
+    assert step(off) == 1 and time.monotonic() - began < 0.2
+
+
+def test_a_serve_order_carries_the_instances_to_wait_for(monkeypatch: pytest.MonkeyPatch, r: redis.Redis,
+                                                         settings: Settings) -> None:
+    """A spare rebound onto the cores of instances leaving waits for them as a new process would."""
+    from workers import rebinding, runtime
+
+    monkeypatch.setattr(runtime, "rebind", lambda handler, spec, warm_up=True: None)
+    w = make_worker(r, settings, instance_id="spare", spare=True)
+    rebinding.send(r, w.queue, rebinding.Order(role="serve", threads=1, batch=1, cpus=[0], pin=False,
+                                               after=["old"]))
+    assert step(w) == 1
+    assert w.spec.after == ["old"] and w._after == ["old"]
+    old = make_worker(r, settings, instance_id="old")
+    push(r, old, [request(0)], batch_id="held-by-old")
+    push(r, w, [request(1)], batch_id="first")
+    t = threading.Thread(target=step, args=(w,))
+    t.start()
+    time.sleep(0.2)
+    assert t.is_alive()
+    step(old)
+    t.join(5)
+    assert not t.is_alive() and w._after == [] and (w.record().held_s or 0) >= 0.2

@@ -41,6 +41,9 @@ class Order(BaseModel):
     cpus: list[int] = Field(default_factory=list)
     socket: int = 0
     pin: bool = True
+    #: Instances leaving on the same cores: the first sub-batch waits until their queues are empty
+    #: (:meth:`workers.worker.Worker.hand_over`).
+    after: list[str] = Field(default_factory=list)
 
 
 def send(r: redis.Redis, queue: str, order: Order) -> bytes:

@@ -109,6 +109,10 @@ class Reconfiguration:
     error: str | None = None
     #: How many of the new instances were spares rebound in place instead of processes started.
     reused: int = 0
+    #: New instances that wait for the leaving ones on their cores before their first sub-batch (a
+    #: handover, ``handover_timeout_s``), and the longest any of them waited.
+    handing_over: list[str] = field(default_factory=list)
+    held_s: float | None = None
 
     def enter(self, phase: str) -> None:
         now = time.time()
@@ -155,4 +159,8 @@ class Reconfiguration:
             # Cores are shared from the passive instances' start until the old ones stopped.
             "reused": self.reused,
             "oversubscribed_s": span(self.began, self.stopped) if self.oversubscribed else 0.0,
+            # With a handover the cores are shared only while the new instances warm up: they wait
+            # for the old ones to drain (this long at most) before serving.
+            "handover": bool(self.handing_over),
+            "held_s": self.held_s,
         }

@@ -264,19 +264,20 @@ class Supervisor:
         self._profile_warned = False
         self._loaded_profile: tuple[Path, Profile] | None = None
 
-    def _instance(self, a: CoreAssignment, generation: int) -> Instance:
+    def _instance(self, a: CoreAssignment, generation: int, after: list[str] | None = None) -> Instance:
         return self._new_instance(f"{self.node}-g{generation}-{a.instance}", a.threads, a.batch, list(a.cpus),
-                                  a.socket, a.pin)
+                                  a.socket, a.pin, after=after)
 
     def _new_instance(self, instance_id: str, threads: int, batch: int, cpus: list[int], socket: int, pin: bool,
-                      *, spare: bool = False, warm_batches: list[int] | None = None) -> Instance:
+                      *, spare: bool = False, warm_batches: list[int] | None = None,
+                      after: list[str] | None = None) -> Instance:
         """An instance not yet started: its record in the deployment, its worker spec, its process."""
         record = InstanceRecord(id=instance_id, threads=threads, batch=batch, cpus=cpus, socket=socket,
                                 node=self.node)
         spec = WorkerSpec(url=self.url, settings=self.settings, model=self.model, handler=self.handler,
                           instance_id=instance_id, threads=threads, batch=batch, cpus=cpus, socket=socket, pin=pin,
                           graph_mode=self.graph_mode, options=self.options, parent_pid=os.getpid(), spare=spare,
-                          warm_batches=warm_batches or [])
+                          warm_batches=warm_batches or [], after=after or [])
         child = Child(name=f"instance {instance_id}", module="workers.worker", spec_json=spec.model_dump_json(),
                       record_key=self.keys.instance(self.model, instance_id), record=InstanceState,
                       env=instance_env(threads, self.settings))
@@ -465,15 +466,21 @@ class Supervisor:
         self._leaving = leaving
         self.passive = []
         for a in assignments:
+            # Where it takes the cores of instances leaving, it waits for them to answer what they hold
+            # before its first sub-batch (:meth:`workers.worker.Worker.hand_over`).
+            after = ([inst.record.id for inst in leaving if set(inst.record.cpus) & set(a.cpus)]
+                     if oversubscribed and self.settings.handover_timeout_s > 0 else [])
             spare = self._take_spare(a)
             if spare is not None:
-                self._bind(spare, a)
+                self._bind(spare, a, after)
                 self.change.reused += 1
                 self.passive.append(spare)
             else:
-                inst = self._instance(a, generation)
+                inst = self._instance(a, generation, after)
                 self._start_instance(inst)
                 self.passive.append(inst)
+            if after:
+                self.change.handing_over.append(self.passive[-1].record.id)
         change = self.change
         log.info("reconfiguring %s: %s -> %s (%s, %s%s%s)", self.model, self.configuration.compact(),
                  target.compact(), plan.kind, change.reason,
@@ -606,14 +613,16 @@ class Supervisor:
         self._loaded.pop(inst.record.id, None)
         return inst
 
-    def _bind(self, inst: Instance, a: CoreAssignment) -> None:
-        """Order a spare to serve as ``a`` (threads, batch, cpus); a restart of it starts it so bound."""
+    def _bind(self, inst: Instance, a: CoreAssignment, after: list[str] | None = None) -> None:
+        """Order a spare to serve as ``a`` (threads, batch, cpus), after the instances ``after`` have drained
+        (a handover); a restart of it starts it so bound."""
         spec = inst.spec.model_copy(update={"threads": a.threads, "batch": a.batch, "cpus": list(a.cpus),
-                                            "socket": a.socket, "pin": a.pin, "spare": False})
+                                            "socket": a.socket, "pin": a.pin, "spare": False,
+                                            "after": list(after or [])})
         self._rebound(inst, spec)
         rebinding.send(self.r, self.keys.queue(self.model, inst.record.id),
                        rebinding.Order(role="serve", threads=a.threads, batch=a.batch, cpus=list(a.cpus),
-                                       socket=a.socket, pin=a.pin))
+                                       socket=a.socket, pin=a.pin, after=list(after or [])))
         log.info("rebinding spare %s to %d threads, batch %d, cpus %s", inst.record.id, a.threads, a.batch,
                  list(a.cpus))
 
@@ -762,6 +771,7 @@ class Supervisor:
         """Record the change in the model's history, answer whoever asked, and take up the next request."""
         change = self.change
         assert change is not None
+        change.held_s = self._held_s(change.handing_over)
         summary = change.summary()
         self.tally.count("reconfigurations", change.kind, summary["status"], change.origin)
         if summary["total_s"] is not None:
@@ -781,6 +791,18 @@ class Supervisor:
         nxt, self._next = self._next, None
         if nxt is not None:
             self._carry_out(nxt)
+
+    def _held_s(self, instance_ids: list[str]) -> float | None:
+        """The longest a handover held a new instance's first sub-batch (their records), if any said."""
+        held = []
+        for instance_id in instance_ids:
+            try:
+                rec = InstanceState.load(self.r, self.keys.instance(self.model, instance_id))
+            except redis.RedisError:
+                continue
+            if rec is not None and rec.held_s is not None:
+                held.append(rec.held_s)
+        return max(held) if held else None
 
     def _reply(self, message: control.ControlMessage, *, result: dict[str, Any] | None = None,
                error: str | None = None) -> None:

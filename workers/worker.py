@@ -67,6 +67,8 @@ SERVED_WINDOW = 20
 #: and an idle trickle of lone ResNet-50 requests set the profile check at 1.16-1.19x, which the
 #: estimator then applied to every plan under load.
 BACK_TO_BACK_S = 0.005
+#: How often a held first sub-batch looks whether the instances leaving its cores are done (:meth:`Worker.hand_over`).
+HANDOVER_POLL_S = 0.005
 
 
 def served_fields(served: Iterable[tuple[int, float]]) -> dict[str, Any]:
@@ -106,6 +108,9 @@ class WorkerSpec(RuntimeSpec):
     #: A spare's other batch sizes to warm up at while it waits (its own thread count): a ``serve`` order
     #: at one of them then takes no warm-up (see :meth:`Worker.warm_ahead`).
     warm_batches: list[int] = Field(default_factory=list)
+    #: Instances leaving on this one's cores (an active-passive change that over-subscribes them): its
+    #: first sub-batch waits until they have answered what they hold (:meth:`Worker.hand_over`).
+    after: list[str] = Field(default_factory=list)
 
 
 class Worker:
@@ -148,6 +153,9 @@ class Worker:
         #: When the last sub-batch ended (monotonic), and whether the one being served began right after.
         self._done_at: float | None = None
         self._back_to_back = False
+        #: Instances leaving this one's cores, to wait for before the next sub-batch (:meth:`hand_over`).
+        self._after: list[str] = list(spec.after)
+        self._held_s: float | None = None
 
     def stop(self) -> None:
         self._stopping.set()
@@ -159,7 +167,7 @@ class Worker:
         return InstanceState(state=self._state, pid=os.getpid(), host=socket.gethostname(),
                              interval=self.settings.heartbeat_s, heartbeat=time.time(), threads=s.threads,
                              batch=s.batch, cpus=s.cpus, socket=s.socket,
-                             **served_fields(self._served),
+                             **served_fields(self._served), held_s=self._held_s,
                              metrics=self.tally.dump() if self.tally is not None else None)
 
     def register(self, state: str) -> None:
@@ -270,6 +278,8 @@ class Worker:
             log.error("unreadable sub-batch %s dropped: %s", entry_id, exc)
             self._finish(entry_id, [])
             return
+        if self._after:
+            self.hand_over()
         self.fetch_payloads(requests)
         started_ms = time.time() * 1000.0
         if self._recovering:
@@ -312,7 +322,10 @@ class Worker:
             self._state = "spare"
         else:
             new = self.spec.model_copy(update={"threads": order.threads, "batch": order.batch, "cpus": order.cpus,
-                                               "socket": order.socket, "pin": order.pin, "spare": False})
+                                               "socket": order.socket, "pin": order.pin, "spare": False,
+                                               "after": order.after})
+            self._after = list(order.after)
+            self._held_s = None
             self.register("starting")
             began = time.monotonic()
             try:
@@ -331,6 +344,48 @@ class Worker:
                      new.threads, new.batch, new.cpus, time.monotonic() - began)
         self._write_record()
         self._ack(entry_id)
+
+    def hand_over(self) -> float:
+        """Wait until the instances leaving this one's cores have answered what they hold; the seconds waited.
+
+        An active-passive change on a machine without free cores starts its
+        new instances on the cores of the ones they replace, and those still
+        answer the sub-batches they hold after the switch. Run side by side,
+        the two sets do not share the cores, they fight over them: OpenMP
+        threads of each wait at every barrier for a thread the other one's
+        has preempted. ResNet-50 on two cores (2026-12-05), one 2-thread
+        instance at b=8 beside two 1-thread ones at b=16: its batch took
+        3.1x as long as alone, theirs 1.9x, and the three together served
+        14.3 images/s, where either set alone serves 16.5-18.1. So the first
+        sub-batch after the change waits (in this instance's queue, where
+        nothing is lost) until the leaving instances' queues are empty: one
+        sub-batch each at most, run at full speed (the dispatcher keeps one
+        waiting per instance). At most ``handover_timeout_s``: a leaving
+        instance that died mid-drain holds its queue until the dispatcher
+        takes it back, and this one does not wait for that. Their queues
+        are read, not their records, since a sub-batch leaves its queue in
+        the transaction that answers it.
+        """
+        timeout = self.settings.handover_timeout_s
+        queues = [self.keys.queue(self.spec.model, instance) for instance in self._after]
+        began = time.monotonic()
+        while queues and timeout > 0 and not self._stopping.is_set():
+            pipe = self.r.pipeline(transaction=False)
+            for queue in queues:
+                pipe.xlen(queue)
+            if not any(pipe.execute()):
+                break
+            if time.monotonic() - began >= timeout:
+                log.warning("instance %s: %s still hold work after %.1f s; serving beside them",
+                            self.spec.instance_id, ", ".join(self._after), timeout)
+                break
+            self._stopping.wait(HANDOVER_POLL_S)
+        held = time.monotonic() - began
+        self._after = []
+        self._held_s = round(held, 3)
+        self._write_record()
+        log.info("instance %s: took over its cores after %.3f s", self.spec.instance_id, held)
+        return held
 
     def warm_ahead(self) -> None:
         """A spare warms up at the batch sizes its supervisor's plans give instances of its thread count.
