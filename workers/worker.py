@@ -353,10 +353,11 @@ class Worker:
         answer the sub-batches they hold after the switch. Run side by side,
         the two sets do not share the cores, they fight over them: OpenMP
         threads of each wait at every barrier for a thread the other one's
-        has preempted. ResNet-50 on two cores (2026-12-05), one 2-thread
-        instance at b=8 beside two 1-thread ones at b=16: its batch took
-        3.1x as long as alone, theirs 1.9x, and the three together served
-        14.3 images/s, where either set alone serves 16.5-18.1. So the first
+        has preempted. ResNet-50 on two cores (2026-12-05, ``bench_corun``),
+        one 2-thread instance at b=8 beside two 1-thread ones at b=16: its
+        batch took 3.3-3.5x as long as alone, theirs 2.0-2.1x, and the three
+        together served 16.2-16.8 images/s, where either set alone serves
+        20.5-21.7. So the first
         sub-batch after the change waits (in this instance's queue, where
         nothing is lost) until the leaving instances' queues are empty: one
         sub-batch each at most, run at full speed (the dispatcher keeps one
