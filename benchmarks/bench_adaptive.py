@@ -485,7 +485,7 @@ def analyse(name: str, driver: Driver, samples: list[dict[str, Any]], history: l
         window = [x[1] for x in latencies if at is not None and abs(x[0] - at) <= 2.5]
         switches.append({**{k: e.get(k) for k in ("reason", "kind", "from", "to", "from_batch", "to_batch",
                                                    "decision_to_ready_s", "ready_to_switch_s", "switch_to_drained_s",
-                                                   "total_s", "oversubscribed_s", "status", "reused")},
+                                                   "total_s", "oversubscribed_s", "status", "reused", "handover", "held_s")},
                          "at_s": round(at - driver.t0, 2) if at else None,
                          "p50_ms_5s": percentile(window, 50), "p99_ms_5s": percentile(window, 99)})
     all_ms = [x[1] for x in latencies]
