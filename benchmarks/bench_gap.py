@@ -10,6 +10,14 @@ processes, since a host's phase can last longer than one.
 
 Run: ``python -m benchmarks.bench_gap [--processes 5] [--threads 2]``; writes
 ``benchmarks/results/gap.json`` (or ``--out``).
+
+``--served MODEL`` asks the same of the service, in one worker process: one
+2-thread instance at B=1 (TorchScript), served in alternating phases of
+``--phase-s`` seconds one request at a time (``lone``: a pause between
+batches, with the client, Redis and the dispatcher running in it) and by
+three closed-loop clients (``busy``: batches back to back, as the profiler
+runs them), comparing the replies' ``inference_ms``. One process, so a
+difference between modes is the modes', not two processes' speeds.
 """
 from __future__ import annotations
 
@@ -52,16 +60,74 @@ def one_process(threads: int, rounds: int) -> dict[str, list[float]]:
     return times
 
 
+def served(model: str, phase_s: float, rounds: int) -> dict[str, list[float]]:
+    """``inference_ms`` of one served 2-thread B=1 instance, by mode, in alternating phases (see the module)."""
+    import os
+    import threading
+
+    os.environ.setdefault("PACKRAT_LOG_LEVEL", "WARNING")
+    from optimizer.calibration import example_payloads
+    from packrat_mq.client import Client
+    from packrat_mq.connection import EmbeddedRedis, connect
+    from packrat_mq.instances import Configuration
+    from packrat_mq.settings import Settings
+    from workers.supervisor import Supervisor
+
+    times: dict[str, list[float]] = {"lone": [], "busy": []}
+    with EmbeddedRedis(announce=False) as server:
+        url = server.url
+        settings = Settings(redis_url=url, batch_timeout_ms=0.0, prefix="bench-gap", graph_mode="torchscript")
+        with Supervisor(connect(url), settings, url, model, Configuration.uniform(1, 2, 1)):
+            payload, ctype = example_payloads(model, 1)[0]
+
+            def run(clients: int, seconds: float) -> list[float]:
+                out: list[float] = []
+                stop = time.time() + seconds
+
+                def one() -> None:
+                    client = Client(connect(url), prefix=settings.prefix)
+                    while time.time() < stop:
+                        _, replies = client.time_batch(model, [payload], content_type=ctype, timeout=60)
+                        out.append(replies[0].inference_ms)
+                    client.close()
+
+                threads = [threading.Thread(target=one) for _ in range(clients)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                return out[2:]  # the first after a mode change meet the other mode's last
+
+            run(1, 3.0)  # warm
+            for k in range(rounds):
+                for mode, clients in (("lone", 1), ("busy", 3)):
+                    got = run(clients, phase_s)
+                    times[mode].append(statistics.median(got))
+                    print(f"round {k + 1} {mode}: {len(got)} batches, inference_ms p50 {times[mode][-1]:.1f}",
+                          flush=True)
+    return times
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--processes", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--served", default=None, metavar="MODEL", help="time one served instance instead (see above)")
+    ap.add_argument("--phase-s", type=float, default=10.0)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "gap.json"))
     args = ap.parse_args(argv)
     if args.child:
         print(json.dumps(one_process(args.threads, args.rounds)))
+        return 0
+    if args.served:
+        medians = served(args.served, args.phase_s, args.rounds)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"served": args.served, "phase_s": args.phase_s,
+                                              "phase_medians_ms": medians,
+                                              "at": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
+        print(f"written to {args.out}")
         return 0
     runs = []
     for k in range(args.processes):
