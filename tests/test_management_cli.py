@@ -108,3 +108,16 @@ def test_up_is_adaptive_unless_b_is_given(args: list[str], adaptive: bool, batch
     res = CliRunner().invoke(_plan_only, ["--model", "echo", "--threads", "1", *args])
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout) == {"adaptive": adaptive, "batch": batch}
+
+
+def test_a_change_line_says_what_the_switch_shared_and_how_long_the_handover_held() -> None:
+    from packrat_mq.cli.reconfigure import describe_change
+
+    entry = {"from": "2x16", "to": "2*1x8", "from_batch": 16, "to_batch": 16, "kind": "active-passive",
+             "generation": 3, "reason": "operator", "decision_to_ready_s": 0.01, "ready_to_switch_s": 0.05,
+             "switch_to_drained_s": 0.93, "total_s": 1.2, "reused": 2, "oversubscribed_s": 1.2,
+             "handover": True, "held_s": 0.45}
+    line = describe_change("resnet50", entry)
+    assert "drained 0.93 s" in line and "cores shared for 1.20 s" in line
+    assert line.endswith("new instances waited 0.45 s for the old ones to drain")
+    assert "waited" not in describe_change("resnet50", {**entry, "handover": False})

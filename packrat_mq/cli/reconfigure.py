@@ -101,6 +101,8 @@ def describe_change(model: str, entry: dict[str, Any]) -> str:
         text += f"; {entry['reused']} instances rebound from spares"
     if entry.get("oversubscribed_s"):
         text += f"; cores shared for {s('oversubscribed_s')}"
+    if entry.get("handover"):
+        text += f"; new instances waited {s('held_s')} for the old ones to drain"
     if entry.get("error"):
         text += f"; FAILED: {entry['error']}"
     return text
