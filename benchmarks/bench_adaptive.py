@@ -372,6 +372,21 @@ def wait_for_spares(url: str, prefix: str, model: str, timeout_s: float = 600.0)
         r.close()
 
 
+def start_up(name: str, cmd: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[str], list[str]]:
+    """Start ``packrat-mq up`` and wait for its ``ready:`` line; its output so far, and on, in the list returned."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    lines: list[str] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line.rstrip())
+        if line.startswith("ready:"):
+            break
+    else:
+        raise SystemExit(f"{name}: up did not start:\n" + "\n".join(lines))
+    threading.Thread(target=lambda: [lines.append(x.rstrip()) for x in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+    return proc, lines
+
+
 def run_setup(name: str, args: argparse.Namespace, url: str, phases: list[Phase],
               payloads: list[tuple[bytes, str]]) -> dict[str, Any]:
     prefix = f"bench-{name}-{uuid.uuid4().hex[:6]}"
@@ -393,17 +408,7 @@ def run_setup(name: str, args: argparse.Namespace, url: str, phases: list[Phase]
     shm_dir = tempfile.mkdtemp(prefix="packrat-bench-", dir="/dev/shm") if args.shm else None
     if shm_dir:
         env["PACKRAT_SHM_DIR"] = shm_dir
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
-    lines: list[str] = []
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        lines.append(line.rstrip())
-        if line.startswith("ready:"):
-            break
-    else:
-        raise SystemExit(f"{name}: up did not start:\n" + "\n".join(lines))
-    out_thread = threading.Thread(target=lambda: [lines.append(x.rstrip()) for x in proc.stdout], daemon=True)  # type: ignore[union-attr]
-    out_thread.start()
+    proc, lines = start_up(name, cmd, env)
     print(f"[{name}] serving: {lines[-2] if len(lines) > 1 else ''}", flush=True)
     # Without prewarm a supervisor keeps spares only once a change retires instances: nothing to wait for.
     spares_s = None if name == "adaptive-no-prewarm" else wait_for_spares(url, prefix, args.model)

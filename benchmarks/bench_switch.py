@@ -42,7 +42,7 @@ from typing import Any
 
 os.environ.setdefault("PACKRAT_LOG_LEVEL", "WARNING")
 
-from benchmarks.bench_adaptive import Monitor, percentile, wait_for_spares  # noqa: E402
+from benchmarks.bench_adaptive import Monitor, percentile, start_up, wait_for_spares  # noqa: E402
 from optimizer.calibration import example_payloads  # noqa: E402
 from packrat_mq import control  # noqa: E402
 from packrat_mq import graph as graph_modes  # noqa: E402
@@ -111,16 +111,7 @@ def run_setup(name: str, args: argparse.Namespace, url: str) -> dict[str, Any]:
         cmd += ["--graph", args.graph]
     env = dict(os.environ, PACKRAT_LOG_LEVEL="WARNING", PACKRAT_SPARE_INSTANCES=str(args.spares),
                PACKRAT_PREWARM_SPARES="1", PACKRAT_PREWARM_MAX_CPU="1", **SETUPS[name])
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
-    lines: list[str] = []
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        lines.append(line.rstrip())
-        if line.startswith("ready:"):
-            break
-    else:
-        raise SystemExit(f"{name}: up did not start:\n" + "\n".join(lines))
-    threading.Thread(target=lambda: [lines.append(x.rstrip()) for x in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+    proc, lines = start_up(name, cmd, env)
     spares_s = wait_for_spares(url, prefix, args.model)
     print(f"[{name}] serving {args.a}; spares loaded after {spares_s or 0:.1f} s", flush=True)
     payload, ctype = example_payloads(args.model, 1)[0]
