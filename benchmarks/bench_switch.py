@@ -159,7 +159,7 @@ def run_setup(name: str, args: argparse.Namespace, url: str) -> dict[str, Any]:
               "switches": switches, "spares_loaded_s": spares_s, "log_tail": lines[-20:]}
     for sw in switches:
         b, a = sw["before"], sw["after"]
-        print(f"[{name}] -> {sw['to']:<8} {sw['kind']}: drained {sw['switch_to_drained_s']} s, held {sw['held_s']} s; "
+        print(f"[{name}] -> {sw['to']:<8} {sw['kind']}: drained {sw['switch_to_drained_s']} s, held {'-' if sw['held_s'] is None else sw['held_s']} s; "
               f"replies/s {b['replies_per_s']:.1f} -> {a['replies_per_s']:.1f}, "
               f"p50 {b['p50_ms'] or 0:.0f} -> {a['p50_ms'] or 0:.0f} ms, p99 {b['p99_ms'] or 0:.0f} -> {a['p99_ms'] or 0:.0f} ms",
               flush=True)

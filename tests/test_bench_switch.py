@@ -35,6 +35,8 @@ def test_switches_back_and_forth_are_measured_and_lose_nothing(bench, tmp_path, 
     assert run["sent"] > 0 and run["unanswered"] == 0 and run["duplicated"] == 0 and run["errors"] == 0
     assert [s["to"] for s in run["switches"]] == ["2*1x2", "2x4"]
     for s in run["switches"]:
-        assert s["kind"] == "active-passive" and s["handover"] is True and s["held_s"] is not None
+        assert s["kind"] == "active-passive" and s["handover"] is True
+        # None when the old instances drained before a new one had its first sub-batch (a fast model).
+        assert s["held_s"] is None or 0 <= s["held_s"] <= 10
         assert s["after"]["n"] > 0
     assert result["summary"]["handover"]["switches"] == 2

@@ -121,3 +121,6 @@ def test_a_change_line_says_what_the_switch_shared_and_how_long_the_handover_hel
     assert "drained 0.93 s" in line and "cores shared for 1.20 s" in line
     assert line.endswith("new instances waited 0.45 s for the old ones to drain")
     assert "waited" not in describe_change("resnet50", {**entry, "handover": False})
+    # Nothing held: the old instances drained before a new one had its first sub-batch.
+    assert describe_change("resnet50", {**entry, "held_s": None}).endswith(
+        "the old instances drained before the new ones had work")

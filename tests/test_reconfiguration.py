@@ -225,6 +225,7 @@ def test_new_instances_on_the_cores_of_leaving_ones_serve_once_those_have_draine
     (entry,) = history(r, settings, "sleep")
     assert entry["status"] == "done" and entry["handover"] is True
     assert entry["held_s"] is not None and entry["held_s"] >= 0
+    assert all(i.spec.after == [] for i in sup.instances)  # a restart after the change waits for no one
     old_done = max(at for instance, at, _ in load.timings if instance == old)
     new_began = min(at - ms / 1000.0 for instance, at, ms in load.timings if instance != old)
     # Each reply is read after its batch ended: a new batch began no earlier than this, the old one's last

@@ -772,6 +772,12 @@ class Supervisor:
         change = self.change
         assert change is not None
         change.held_s = self._held_s(change.handing_over)
+        for inst in self.instances:
+            if inst.spec.after:
+                # The instances it waited for are gone: a restart of it must not wait for an instance
+                # that later takes one of their ids back (a spare serving again).
+                inst.spec = inst.spec.model_copy(update={"after": []})
+                inst.child.spec_json = inst.spec.model_dump_json()
         summary = change.summary()
         self.tally.count("reconfigurations", change.kind, summary["status"], change.origin)
         if summary["total_s"] is not None:

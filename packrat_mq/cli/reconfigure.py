@@ -102,7 +102,11 @@ def describe_change(model: str, entry: dict[str, Any]) -> str:
     if entry.get("oversubscribed_s"):
         text += f"; cores shared for {s('oversubscribed_s')}"
     if entry.get("handover"):
-        text += f"; new instances waited {s('held_s')} for the old ones to drain"
+        if entry.get("held_s") is None:
+            # No new instance had its first sub-batch before the old ones drained: nothing was held.
+            text += "; the old instances drained before the new ones had work"
+        else:
+            text += f"; new instances waited {s('held_s')} for the old ones to drain"
     if entry.get("error"):
         text += f"; FAILED: {entry['error']}"
     return text
