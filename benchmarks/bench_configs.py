@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -76,7 +77,7 @@ def _ordered(config: Configuration) -> Configuration:
                          predicted_latency_ms=config.predicted_latency_ms)
 
 
-def profile_now(url: str, model: str, directory: Path, batches: list[int]) -> Path:
+def profile_now(url: str, model: str, directory: Path, batches: list[int], extra: list[str] | None = None) -> Path:
     """Profile ``model`` here and now, and its serving path, as a user would (``profile run --fresh``, then
     ``profile path``), into ``directory``; returns the profile's path.
 
@@ -84,14 +85,15 @@ def profile_now(url: str, model: str, directory: Path, batches: list[int]) -> Pa
     drifts: on 2026-12-03 the same MiniLM profiled 5-22% slower at 12:57
     than at 06:36, and a profile taken before all four models are served
     is 13 minutes old by the fourth. Profiled right before its model is
-    served, the comparison holds the profile to its own minutes.
+    served, the comparison holds the profile to its own minutes. ``extra``:
+    more ``profile run`` arguments (``--profile-args "--passes 3"``).
     """
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{model}.json"
     exe = [sys.executable, "-m", "packrat_mq"]
     started = time.monotonic()
     subprocess.run(exe + ["profile", "run", "--model", model, "--fresh", "--batches", ",".join(map(str, batches)),
-                          "-o", str(path)], check=True, stdout=subprocess.DEVNULL)
+                          "-o", str(path), *(extra or [])], check=True, stdout=subprocess.DEVNULL)
     subprocess.run(exe + ["profile", "path", "--model", model, "--profile", str(path), "--max-batch",
                           str(max(batches)), "--redis-url", url, "--prefix", f"bench-path-{model}"],
                    check=True, stdout=subprocess.DEVNULL)
@@ -241,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-now", type=Path, default=None, metavar="DIR",
                     help="profile each model (and its path) into DIR right before serving it, and plan and predict "
                          "from that profile instead of the committed one")
+    ap.add_argument("--profile-args", default="", metavar="ARGS",
+                    help='with --profile-now: more `profile run` arguments, e.g. "--passes 3" or "--quick"')
     ap.add_argument("--report", type=Path, default=None,
                     help="print the Markdown table of a finished run's JSON and exit (measures nothing)")
     ap.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
@@ -260,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     with EmbeddedRedis(announce=False) as server:
         for model in args.models.split(","):
             if args.profile_now is not None:
-                fresh[model] = profile_now(server.url, model, args.profile_now, batches)
+                fresh[model] = profile_now(server.url, model, args.profile_now, batches,
+                                           shlex.split(args.profile_args))
             rows.extend(bench_model(server.url, model, threads, batches, args.rounds, args.warmup, args.warmup_s,
                                     args.measure_s, profile_path=fresh.get(model)))
     out = Path(args.json_out)
@@ -272,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                                "warmup_s": args.warmup_s, "measure_s": args.measure_s,
                                "profiles": profiles_used(args.models.split(","), fresh),
                                "profiled_now": args.profile_now is not None,
+                               "profile_args": args.profile_args,
                                "prediction_within_10pct": f"{within} of {len(errors)}",
                                "elapsed_s": time.time() - started, "rows": rows}, indent=2))
     plot(rows, out.with_suffix(".png"))

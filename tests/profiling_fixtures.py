@@ -83,3 +83,23 @@ class SlowOnOneCpu(EchoHandler):
 
         time.sleep(self.sleep_s)
         return batch
+
+
+class SleepReadAtLoad(EchoHandler):
+    """Sleeps the milliseconds written in the file ``options["path"]`` when its process loaded.
+
+    A stand-in for a host whose speed moves between a profile's passes: a test
+    rewrites the file between passes, and only a pass in fresh processes sees it.
+    """
+
+    def load_model(self, context: Context) -> Any:
+        from pathlib import Path
+
+        self.sleep_s = float(Path(context.options["path"]).read_text()) / 1000.0
+        return None
+
+    def inference(self, batch: Any) -> Any:
+        import time
+
+        time.sleep(self.sleep_s)
+        return batch

@@ -34,6 +34,9 @@ def test_profile_now_profiles_then_plans_each_model_from_its_fresh_profile(
     assert path_cmd[path_cmd.index("--profile") + 1] == str(path)
     assert path_cmd[path_cmd.index("--max-batch") + 1] == "4"
     assert path_cmd[path_cmd.index("--redis-url") + 1] == "redis://127.0.0.1:1/0"
+    # More `profile run` arguments go at the end (--profile-args).
+    bench.profile_now("redis://127.0.0.1:1/0", "minilm", tmp_path / "again", [1, 2], ["--passes", "3"])
+    assert commands[-2][-2:] == ["--passes", "3"]
     # The results say which profile, and from when.
     used = bench.profiles_used(["minilm"], {"minilm": path})["minilm"]
     assert used["path"] == str(path) and used["profiled"] is not None

@@ -474,3 +474,71 @@ def test_resume_refuses_other_vector_extensions(tmp_path: Path) -> None:
     assert len(Profile.load(out).entries) == 2  # nothing was added to the other machine's points
     # And where a run without -o would write this machine's own: here the usual file, being free.
     assert str(refused.value).endswith("(without -o, this machine's profile goes beside it: profiles/echo.json)")
+
+
+def test_a_pass_schedule_shares_one_points_iterations_and_budget() -> None:
+    one = _quick("echo", min_iters=6, max_iters=40, rel_ci=0.05, budget_s=30.0)
+    assert one.pass_schedule() == {"warmup": 1, "min_iters": 6, "max_iters": 40, "rel_ci": 0.05,
+                                   "confidence": 0.95, "budget_s": 30.0}  # one pass: as before
+    four = _quick("echo", min_iters=6, max_iters=40, rel_ci=0.05, budget_s=30.0, passes=4).pass_schedule()
+    assert four["min_iters"] == 2 and four["max_iters"] == 10 and four["budget_s"] == 7.5
+    assert four["rel_ci"] == pytest.approx(0.10)  # four pass means within 10% each: their mean within 5%
+    with pytest.raises(ValueError):
+        _quick("echo", passes=0)
+
+
+def test_passes_run_in_fresh_processes_and_a_point_is_the_mean_of_its_passes(tmp_path: Path) -> None:
+    """The host's speed moves between passes (the handler reads it at load): each pass sees its own."""
+    speed = tmp_path / "ms"
+    speed.write_text("4")
+    threads = [1, 2] if Topology.detect().max_cores_per_socket >= 2 else [1]
+    seen: list[tuple[int, int, int]] = []
+
+    def slow_down_after_the_first_pass(point: dict[str, Any]) -> None:
+        seen.append((point["pass"], point["threads"], point["batch"]))
+        if point["pass"] == 1 and (point["threads"], point["batch"]) == (threads[-1], 2):
+            speed.write_text("12")  # the last point of pass 1: pass 2's processes load at 12 ms
+
+    out = tmp_path / "p.json"
+    opts = _quick("tests.profiling_fixtures:SleepReadAtLoad", threads=threads, batches=[1, 2],
+                  options={"path": str(speed)}, min_iters=4, max_iters=8, passes=2)
+    report = profile_model(opts, out, progress=False, on_point=slow_down_after_the_first_pass)
+    assert not report.failed and not report.interrupted
+    # Pass 2 runs the thread counts the other way round.
+    grid = [(t, b) for t in threads for b in (1, 2)]
+    back = [(t, b) for t in threads[::-1] for b in (1, 2)]
+    assert seen == [(1, t, b) for t, b in grid] + [(2, t, b) for t, b in back]
+    for entry in Profile.load(out).entries:
+        first, second = entry.pass_means_ms
+        assert 4.0 <= first < 8.0 and 12.0 <= second < 16.0
+        assert entry.mean_ms == pytest.approx((first + second) / 2, rel=1e-3)
+        assert entry.iterations >= 4  # both passes' samples
+        assert entry.pass_spread is not None and entry.pass_spread > 0.5
+    assert "2 passes: the pass means of a point spread by a median" in report.summary()
+    assert "the host moved between passes" in report.summary()
+    assert report.as_dict()["pass_spread"]["max"] > 0.5
+    # The interval of a point is as wide as its passes disagree, not as its samples (each pass steady).
+    from optimizer.profiling.scheduler import _entry_half_width
+    e = Profile.load(out).entry(1, 1)
+    assert e is not None and _entry_half_width(e, 0.95) > 4.0
+
+
+def test_an_interrupted_multi_pass_run_resumes_at_the_first_point_a_pass_lacks(tmp_path: Path) -> None:
+    out = tmp_path / "echo.json"
+    calls: list[dict[str, Any]] = []
+
+    def stop_in_the_second_pass(point: dict[str, Any]) -> None:
+        calls.append(point)
+        if point["pass"] == 2:
+            raise KeyboardInterrupt
+
+    opts = _quick("echo", max_iters=10, passes=2)
+    report = profile_model(opts, out, progress=False, on_point=stop_in_the_second_pass)
+    assert report.interrupted and [(c["pass"], c["batch"]) for c in calls] == [(1, 1), (1, 2), (2, 1)]
+    entries = {e.batch: e for e in Profile.load(out).entries}
+    assert len(entries[1].pass_means_ms or []) == 2 and entries[2].pass_means_ms is None
+    rest = profile_model(opts, out, progress=False)
+    assert rest.resumed == 1 and [(m["pass"], m["batch"]) for m in rest.measured] == [(2, 2)]
+    assert all(len(e.pass_means_ms or []) == 2 for e in Profile.load(out).entries)
+    # One pass asked of a two-pass profile: nothing to measure.
+    assert profile_model(_quick("echo", max_iters=10), out, progress=False).measured == []

@@ -292,6 +292,17 @@ class ProfileEntry(BaseModel):
     #: Instances of this (threads, batch) timed together (the slowest is the
     #: sample): ``T // threads`` in a co-located profile, 1 isolated; None if unknown.
     copies: int | None = Field(default=None, ge=1)
+    #: The mean of each pass, where the point was measured in several (``profile run --passes``):
+    #: ``mean_ms`` is their mean, and their spread is how much the host moved between passes.
+    #: None: one pass. The distribution fields above are of the samples of the last run's passes.
+    pass_means_ms: list[float] | None = Field(default=None, min_length=2)
+
+    @property
+    def pass_spread(self) -> float | None:
+        """(max - min) / mean of the pass means; None for one pass."""
+        if not self.pass_means_ms:
+            return None
+        return (max(self.pass_means_ms) - min(self.pass_means_ms)) / self.mean_ms
 
 
 class Calibration(BaseModel):

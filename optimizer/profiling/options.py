@@ -5,6 +5,7 @@ profiling child receives it in its spec, and RQ jobs carry it as JSON.
 """
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,10 @@ class ProfilingOptions(BaseModel):
     budget_s: float = Field(default=30.0, gt=0)
     max_latency_ms: float | None = Field(default=None, gt=0)
     dominance_margin: float = Field(default=0.05, ge=0)
+    #: Times the whole grid is measured, each pass in fresh processes, the thread counts in turn
+    #: forwards and backwards; a point's mean is the mean of its passes' means. One pass, as
+    #: before, unless asked: see :mod:`optimizer.profiling.scheduler`, "Passes".
+    passes: int = Field(default=1, ge=1, le=10)
     #: A child that says nothing for this long is killed.
     child_timeout_s: float = Field(default=1800.0, gt=0)
 
@@ -90,6 +95,22 @@ class ProfilingOptions(BaseModel):
         if self.threads is not None:
             self.threads = sorted(set(self.threads))
         return self
+
+    def pass_schedule(self) -> dict[str, Any]:
+        """The stopping rule of one pass (:func:`~optimizer.profiling.statistics.measure`'s arguments).
+
+        ``passes`` passes share one point's schedule: each gets ``1/passes``
+        of the budget and of ``max_iters``, at least 2 and ``min_iters / passes``
+        iterations, and stops once its own mean is within ``rel_ci x sqrt(passes)``,
+        which makes the mean of the passes' means known within about ``rel_ci``
+        (where the passes agree). One pass: the options as they are.
+        """
+        p = self.passes
+        min_iters = max(2, math.ceil(self.min_iters / p))
+        return {"warmup": self.warmup, "min_iters": min_iters,
+                "max_iters": max(min_iters, math.ceil(self.max_iters / p)),
+                "rel_ci": min(0.99, self.rel_ci * math.sqrt(p)), "confidence": self.confidence,
+                "budget_s": self.budget_s / p}
 
     @property
     def mode(self) -> Mode:

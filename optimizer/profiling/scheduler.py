@@ -57,6 +57,25 @@ same model-load costs; it is printed and appended to the run log
 output file skips the points already there (same model, mode and placement;
 a co-located point measured with another number of copies, because ``T``
 changed, is measured again).
+
+**Passes** (``passes``, ``profile run --passes N``; one by default). A shared
+host's speed moves by the minute, and a process's by the luck of its start
+(on the 2-vCPU Zen 4 host, 2026-12-05: one served ResNet-50 instance ran its
+B=1 batch in 52 ms in one 10 s phase and 67 ms in the next, and 3 of 13
+processes ran 25-28% slower than the other 10). A point measured once, in one
+process and one stretch of minutes, draws one of those states, and the next
+point may draw another: the profile's shape then bends by the host, and its
+level is whatever the host was doing then. With ``N`` passes the grid is
+measured ``N`` times, each pass in fresh processes, the thread counts in turn
+forwards and backwards; a point's mean is the mean of its pass means (each
+pass one draw of the host, however many iterations it took), its confidence
+interval the wider of the samples' and the pass means' (:func:`_entry_half_width`),
+and the entry keeps the pass means (``pass_means_ms``), so their spread says
+how much the host moved; the run's summary prints it. Each pass gets
+``1/N`` of a point's budget and iterations, and converges at ``rel_ci x
+sqrt(N)`` (:meth:`ProfilingOptions.pass_schedule`), so the timed iterations
+cost about what one pass did; the model loads and per-batch preparation are
+paid ``N`` times. An interrupted run resumes at the first point a pass lacks.
 """
 from __future__ import annotations
 
@@ -70,6 +89,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from optimizer.planning.profile import MachineInfo, Profile, ProfileEntry, ProfileError
 from optimizer.profiling.child import PointError, ProfilingGroup
@@ -107,6 +128,13 @@ class ProfilingReport:
     fixed_iterations_s: float = 0.0
     wall_s: float = 0.0
     interrupted: bool = False
+    #: Passes over the grid asked for (``ProfilingOptions.passes``).
+    passes: int = 1
+
+    def spreads(self) -> list[tuple[float, int, int]]:
+        """(spread, t, b) of every point of the profile with several pass means, largest first."""
+        found = [(e.pass_spread, e.threads, e.batch) for e in self.profile.entries if e.pass_spread is not None]
+        return sorted(((s, t, b) for s, t, b in found if s is not None), reverse=True)
 
     @property
     def adaptive_s(self) -> float:
@@ -146,6 +174,14 @@ class ProfilingReport:
                 + f"); fixed {FIXED_WARMUP}+{FIXED_ITERS} schedule: ~{self.fixed_estimate_s:.1f} s; "
                 f"saved ~{saved:.1f} s ({share:.0f}%)"
             )
+        spread = self._spread_summary()
+        if self.passes > 1 and spread is not None:
+            at = spread["max_at"]
+            lines.append(
+                f"{self.passes} passes: the pass means of a point spread by a median {100 * spread['median']:.1f}% "
+                f"and at most {100 * spread['max']:.1f}% (t={at['threads']} b={at['batch']}) of its mean"
+                + ("; the host moved between passes: predictions from this profile are good to about as much"
+                   if spread["max"] > 0.10 else ""))
         for f in self.failed:
             lines.append(f"FAILED t={f['threads']} b={f['batch']}: {f['error']}")
         if self.interrupted:
@@ -169,7 +205,17 @@ class ProfilingReport:
             "saved_s": round(self.saved_s, 3),
             "wall_s": round(self.wall_s, 3),
             "interrupted": self.interrupted,
+            "passes": self.passes,
+            "pass_spread": self._spread_summary(),
         }
+
+    def _spread_summary(self) -> dict[str, Any] | None:
+        spreads = self.spreads()
+        if not spreads:
+            return None
+        worst, t, b = spreads[0]
+        median = sorted(s for s, _, _ in spreads)[len(spreads) // 2]
+        return {"median": round(median, 4), "max": round(worst, 4), "max_at": {"threads": t, "batch": b}}
 
 
 def profile_model(
@@ -187,6 +233,8 @@ def profile_model(
     ``fresh``. The file is saved after each point, so a ``KeyboardInterrupt``
     loses only the point in progress; the report then has ``interrupted``.
     ``on_point`` is called with each new point (tests use it to interrupt).
+    With ``options.passes`` above 1 the grid is measured that many times
+    (see the module's "Passes"); a point is kept once it has that many.
     """
     topology = topology or Topology.detect()
     path = Path(output) if output is not None else default_output(options.model, options.graph)
@@ -201,96 +249,111 @@ def profile_model(
             what = f"{copies} copies of {t} threads" if copies > 1 else f"{t} threads"
             raise ProfilingError(f"cannot profile {what}: {exc}") from None
 
-    report = ProfilingReport(profile=profile, path=path)
+    report = ProfilingReport(profile=profile, path=path, passes=options.passes)
     grid = [(t, b) for t in threads for b in options.batches]
+    passes = options.passes
 
-    def kept(t: int, b: int) -> ProfileEntry | None:
-        """The point already in the file, if it was measured as this run would measure it."""
+    # The pass means each point already has from the file (measured with this run's copies), and
+    # the samples of each pass this run measures: a point's entry is rebuilt from both after each pass.
+    before: dict[tuple[int, int], list[float]] = {}
+    for t, b in grid:
         entry = profile.entry(t, b)
-        return entry if entry is not None and (entry.copies or 1) == len(placements[t]) else None
+        if entry is not None and (entry.copies or 1) == len(placements[t]):
+            before[(t, b)] = list(entry.pass_means_ms or [entry.mean_ms])
+    taken: dict[tuple[int, int], list[list[float]]] = {}
 
-    pending = sum(1 for t, b in grid if kept(t, b) is None)
-    report.resumed = len(grid) - pending
-    report.remeasured = sum(1 for t, b in grid if kept(t, b) is None and profile.entry(t, b) is not None)
+    def known(t: int, b: int) -> int:
+        """How many passes of (t, b) are measured, from the file and this run."""
+        return len(before.get((t, b), [])) + len(taken.get((t, b), []))
+
+    def kept(t: int, b: int, p: int) -> ProfileEntry | None:
+        """The point as it stands, if it already has pass ``p`` (0-based) measured as this run would."""
+        entry = profile.entry(t, b)
+        return entry if entry is not None and known(t, b) > p else None
+
+    pending = sum(max(0, passes - known(t, b)) for t, b in grid)
+    report.resumed = sum(1 for t, b in grid if known(t, b) >= passes)
+    report.remeasured = sum(1 for t, b in grid if (t, b) not in before and profile.entry(t, b) is not None)
     upper: dict[tuple[int, int], float] = {}  # best achievable latency bound per (t, b)
+    left_out: set[tuple[int, int]] = set()  # skipped or failed in an earlier pass: not measured again
     started = time.monotonic()
     bar = _progress_bar(pending, options.model, progress)
     group: ProfilingGroup | None = None
     try:
-        for t in threads:
-            lower_bound = 0.0  # lower bound of L[t, b] for the batches measured so far
-            stop_reason: str | None = None
-            try:
-                for b in options.batches:
-                    existing = kept(t, b)
-                    alternative = _best_split(t, b, upper, options.batches)
-                    if existing is not None:
-                        hw = _entry_half_width(existing, options.confidence)
-                        upper[(t, b)] = min(existing.mean_ms + hw, alternative)
-                        lower_bound = max(lower_bound, existing.mean_ms - hw)
-                        if stop_reason is None:
-                            stop_reason = _slo_exceeded(options, lower_bound)
-                        continue
-                    if stop_reason is not None:
-                        report.skipped.append({"threads": t, "batch": b, "reason": stop_reason})
-                        report.fixed_iterations_s += (FIXED_WARMUP + FIXED_ITERS) * lower_bound / 1000.0
-                        upper[(t, b)] = alternative
-                        bar.update(1)
-                        continue
-                    copies = len(placements[t])
-                    bar.set_postfix_str(f"t={t} b={b}" + (f" x{copies}" if copies > 1 else ""), refresh=True)
-                    if group is None:
-                        group = ProfilingGroup(options, placements[t])
-                        report.load_s += group.start()
-                    dominated_above = (
-                        alternative * (1.0 + options.dominance_margin) if math.isfinite(alternative) else None
-                    )
-                    try:
-                        report.load_s += group.prepare(b)
-                        m = measure(
-                            group.run,
-                            warmup=options.warmup,
-                            min_iters=options.min_iters,
-                            max_iters=options.max_iters,
-                            rel_ci=options.rel_ci,
-                            confidence=options.confidence,
-                            budget_s=options.budget_s,
-                            dominated_above_ms=dominated_above,
-                            self_timed=True,
+        for p in range(passes):
+            # Every other pass runs the thread counts the other way round, so that no thread count
+            # is always measured at the same point of the run (and of the host's minutes).
+            for t in (threads if p % 2 == 0 else threads[::-1]):
+                lower_bound = 0.0  # lower bound of L[t, b] for the batches measured so far
+                stop_reason: str | None = None
+                try:
+                    for b in options.batches:
+                        existing = kept(t, b, p)
+                        alternative = _best_split(t, b, upper, options.batches)
+                        if existing is not None:
+                            hw = _entry_half_width(existing, options.confidence)
+                            upper[(t, b)] = min(existing.mean_ms + hw, alternative)
+                            lower_bound = max(lower_bound, existing.mean_ms - hw)
+                            if stop_reason is None:
+                                stop_reason = _slo_exceeded(options, lower_bound)
+                            continue
+                        if (t, b) in left_out:
+                            bar.update(1)
+                            continue
+                        if stop_reason is not None:
+                            report.skipped.append({"threads": t, "batch": b, "reason": stop_reason})
+                            report.fixed_iterations_s += (FIXED_WARMUP + FIXED_ITERS) * lower_bound / 1000.0
+                            upper[(t, b)] = alternative
+                            left_out.add((t, b))
+                            bar.update(1)
+                            continue
+                        copies = len(placements[t])
+                        bar.set_postfix_str(f"t={t} b={b}" + (f" x{copies}" if copies > 1 else "")
+                                            + (f" pass {p + 1}/{passes}" if passes > 1 else ""), refresh=True)
+                        if group is None:
+                            group = ProfilingGroup(options, placements[t])
+                            report.load_s += group.start()
+                        dominated_above = (
+                            alternative * (1.0 + options.dominance_margin) if math.isfinite(alternative) else None
                         )
-                    except PointError as exc:
+                        try:
+                            report.load_s += group.prepare(b)
+                            m = measure(group.run, dominated_above_ms=dominated_above, self_timed=True,
+                                        **options.pass_schedule())
+                        except PointError as exc:
+                            bar.update(1)
+                            report.failed.append({"threads": t, "batch": b, "error": str(exc)})
+                            left_out.add((t, b))
+                            stop_reason = f"failed at batch {b}"
+                            continue
                         bar.update(1)
-                        report.failed.append({"threads": t, "batch": b, "error": str(exc)})
-                        stop_reason = f"failed at batch {b}"
-                        continue
-                    bar.update(1)
-                    stats = m.stats()
-                    entry = ProfileEntry(
-                        threads=t, batch=b, copies=copies,
-                        **{k: stats[k] for k in ProfileEntry.model_fields if k in stats},
-                    )
-                    profile.upsert(entry)
-                    profile.save(path)
-                    report.measure_s += stats["warmup_s"] + stats["timed_s"]
-                    report.fixed_iterations_s += (FIXED_WARMUP + FIXED_ITERS) * entry.mean_ms / 1000.0
-                    hw = stats["half_width_ms"] or 0.0
-                    upper[(t, b)] = min(entry.mean_ms + hw, alternative)
-                    lower_bound = max(lower_bound, entry.mean_ms - hw)
-                    stop_reason = _slo_exceeded(options, lower_bound)
-                    point = {"threads": t, "batch": b, "mean_ms": entry.mean_ms,
-                             "iterations": stats["iterations"], "stop": stats["stop"],
-                             "copies": copies, "cpus": group.cpus}
-                    report.measured.append(point)
-                    if on_point is not None:
-                        on_point(point)
-            except BaseException:
-                if group is not None:
-                    group.kill()  # mid-measurement: do not wait for it to finish
-                raise
-            finally:
-                if group is not None:
-                    group.close()
-                    group = None
+                        stats = m.stats()
+                        taken.setdefault((t, b), []).append(m.samples_ms)
+                        entry = _entry(t, b, copies, before.get((t, b), []), taken[(t, b)], options.confidence)
+                        profile.upsert(entry)
+                        profile.save(path)
+                        report.measure_s += stats["warmup_s"] + stats["timed_s"]
+                        report.fixed_iterations_s += (FIXED_WARMUP + FIXED_ITERS) * stats["mean_ms"] / 1000.0 / passes
+                        hw = _entry_half_width(entry, options.confidence)
+                        upper[(t, b)] = min(entry.mean_ms + hw, alternative)
+                        lower_bound = max(lower_bound, entry.mean_ms - hw)
+                        stop_reason = _slo_exceeded(options, lower_bound)
+                        point = {"threads": t, "batch": b, "mean_ms": stats["mean_ms"],
+                                 "iterations": stats["iterations"], "stop": stats["stop"],
+                                 "copies": copies, "cpus": group.cpus}
+                        if passes > 1:
+                            point.update({"pass": p + 1, "point_mean_ms": entry.mean_ms})
+                        report.measured.append(point)
+                        if on_point is not None:
+                            on_point(point)
+                except BaseException:
+                    if group is not None:
+                        group.kill()  # mid-measurement: do not wait for it to finish
+                    raise
+                finally:
+                    if group is not None:
+                        group.close()
+                        group = None
     except KeyboardInterrupt:
         report.interrupted = True
     finally:
@@ -298,6 +361,26 @@ def profile_model(
         report.wall_s = time.monotonic() - started
         _append_run_log(report, options)
     return report
+
+
+def _entry(t: int, b: int, copies: int, before: list[float], taken: list[list[float]],
+           confidence: float) -> ProfileEntry:
+    """A point's entry from the pass means it had (``before``, from the file) and this run's passes' samples.
+
+    The mean is the mean of the pass means, each pass weighing the same however many iterations it
+    took: a pass is one draw of the host's state (its minute, its processes), and the iterations
+    within a pass are not independent draws of that. The distribution fields are of this run's samples.
+    """
+    pooled = [ms for samples in taken for ms in samples]
+    means = before + [sum(samples) / len(samples) for samples in taken]
+    x = np.asarray(pooled, dtype=np.float64)
+    std = float(x.std(ddof=1)) if x.size > 1 else 0.0
+    return ProfileEntry(
+        threads=t, batch=b, copies=copies, mean_ms=float(np.mean(means)),
+        p50_ms=float(np.percentile(x, 50)), p99_ms=float(np.percentile(x, 99)),
+        min_ms=float(x.min()), max_ms=float(x.max()), std_ms=std, iterations=int(x.size),
+        pass_means_ms=[round(m, 4) for m in means] if len(means) > 1 else None,
+    )
 
 
 def _load_for_resume(path: Path, options: ProfilingOptions, fresh: bool) -> Profile:
@@ -343,9 +426,19 @@ def _load_for_resume(path: Path, options: ProfilingOptions, fresh: bool) -> Prof
 
 
 def _entry_half_width(entry: ProfileEntry, confidence: float) -> float:
-    if entry.std_ms is None or not entry.iterations or entry.iterations < 2:
-        return 0.0
-    return half_width(entry.std_ms, entry.iterations, confidence)
+    """The confidence half width of a point's mean: of its samples, or of its pass means where wider.
+
+    The iterations of one pass share the host's minute and processes; on a host whose speed moves
+    between passes the pass means are the independent draws, and they spread wider than the
+    samples' own interval says.
+    """
+    within = 0.0
+    if entry.std_ms is not None and entry.iterations and entry.iterations >= 2:
+        within = half_width(entry.std_ms, entry.iterations, confidence)
+    means = entry.pass_means_ms or []
+    if len(means) < 2:
+        return within
+    return max(within, half_width(float(np.std(means, ddof=1)), len(means), confidence))
 
 
 def _best_split(t: int, b: int, upper: dict[tuple[int, int], float], batches: list[int]) -> float:

@@ -66,6 +66,11 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
               f"--warmup {QUICK_SCHEDULE['warmup']}, --min-iters {QUICK_SCHEDULE['min_iters']}, "
               f"--max-iters {QUICK_SCHEDULE['max_iters']}, --rel-ci {QUICK_SCHEDULE['rel_ci']:g}, "
               f"--budget-s {QUICK_SCHEDULE['budget_s']:g} (any of them given explicitly still wins).")
+@click.option("--passes", type=click.IntRange(1, 10), default=1, show_default=True,
+              help="Measure the whole grid N times, each pass in fresh processes, and take each point's mean "
+                   "of its passes: on a shared host whose speed moves by the minute, the profile is then "
+                   "the host's usual speed rather than one moment's, and the summary says how far the passes "
+                   "disagreed. Each pass gets 1/N of a point's iterations and budget.")
 @click.option("--option", "model_options", multiple=True, metavar="KEY=VALUE",
               help="Handler option (Context.options), e.g. --option base_ms=5 for sleep.")
 @click.option("--rel-ci", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.02,
@@ -107,6 +112,7 @@ def run(
     graph: str | None,
     co_located: bool,
     quick: bool,
+    passes: int,
     model_options: tuple[str, ...],
     rel_ci: float,
     confidence: float,
@@ -138,6 +144,7 @@ def run(
     Examples:
       packrat-mq profile run --model resnet50 --max-batch 32
       packrat-mq profile run --model resnet50 --quick            # t = 1..cores, b = 1,2,4..32, in minutes
+      packrat-mq profile run --model resnet50 --quick --passes 3 # a noisy shared host: the mean of 3 passes
       packrat-mq profile run --model resnet50 --isolated -o resnet50-isolated.json
       packrat-mq profile run --model sleep --option base_ms=5 --batches 1,2,4 --threads-max 2
       packrat-mq profile run --model bert --enqueue --node gpu-box-7 --redis-url redis://broker:6379
@@ -177,6 +184,7 @@ def run(
             warmup=warmup,
             budget_s=budget_s,
             max_latency_ms=max_latency_ms,
+            passes=passes,
         )
         for model in models
     ]
