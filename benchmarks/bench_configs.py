@@ -86,7 +86,7 @@ def profile_now(url: str, model: str, directory: Path, batches: list[int], extra
     than at 06:36, and a profile taken before all four models are served
     is 13 minutes old by the fourth. Profiled right before its model is
     served, the comparison holds the profile to its own minutes. ``extra``:
-    more ``profile run`` arguments (``--profile-args "--passes 3"``).
+    more ``profile run`` arguments (``--profile-args="--passes 3"``).
     """
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{model}.json"
@@ -244,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="profile each model (and its path) into DIR right before serving it, and plan and predict "
                          "from that profile instead of the committed one")
     ap.add_argument("--profile-args", default="", metavar="ARGS",
-                    help='with --profile-now: more `profile run` arguments, e.g. "--passes 3" or "--quick"')
+                    help="with --profile-now: more `profile run` arguments, written with = since they begin with a dash: "
+                         "--profile-args=\"--quick --passes 3\"")
     ap.add_argument("--report", type=Path, default=None,
                     help="print the Markdown table of a finished run's JSON and exit (measures nothing)")
     ap.add_argument("--plot", type=Path, default=None, metavar="FILE.png",

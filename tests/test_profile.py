@@ -513,3 +513,21 @@ def test_import_records_the_placement(tmp_path):
     result = invoke("import", str(csv_path), "-o", str(tmp_path / "b.json"), "--placement", "co-located")
     assert result.exit_code == 0, result.output
     assert Profile.load(tmp_path / "b.json").placement == "co-located"
+
+
+def test_show_says_how_far_the_passes_of_a_point_disagreed(tmp_path):
+    entries = [ProfileEntry(threads=1, batch=1, mean_ms=60.0, pass_means_ms=[52.0, 68.0]),
+               ProfileEntry(threads=1, batch=2, mean_ms=100.0, pass_means_ms=[99.0, 101.0])]
+    path = Profile(model="toy", entries=entries).save(tmp_path / "p.json")
+    assert Profile.load(path).entry(1, 1).pass_spread == pytest.approx(16 / 60)
+    result = invoke("show", str(path))
+    assert result.exit_code == 0, result.output
+    assert "passes: 2 (2 of 2 points); their means spread by a median 2.0%, at most 26.7% (t=1 b=1)" in result.output
+    doc = json.loads(invoke("show", str(path), "--json").output)
+    assert doc["pass_spread"][0][0] == pytest.approx(16 / 60) and doc["pass_spread"][0][1] == pytest.approx(0.02)
+    # One pass: no line, nulls.
+    once = Profile(model="toy", entries=[ProfileEntry(threads=1, batch=1, mean_ms=60.0)]).save(tmp_path / "o.json")
+    assert "passes:" not in invoke("show", str(once)).output
+    assert json.loads(invoke("show", str(once), "--json").output)["pass_spread"] == [[None]]
+    with pytest.raises(ValueError):
+        ProfileEntry(threads=1, batch=1, mean_ms=60.0, pass_means_ms=[60.0])  # one pass is no list

@@ -209,6 +209,9 @@ def show(profile_ref: str, as_json: bool, plot: Path | None) -> None:
             "threads": table.threads.tolist(),
             "batches": table.batches.tolist(),
             "latency_ms": [[None if math.isnan(v) else v for v in row] for row in table.latency_ms.tolist()],
+            # Per point, how far its passes' means spread ((max - min) / mean); null where measured once.
+            "pass_spread": [[None if (e := prof.entry(int(t), int(b))) is None else e.pass_spread
+                             for b in table.batches] for t in table.threads],
         }))
     else:
         click.echo(_describe(prof, path, here, named=Path(profile_ref).is_file()))
@@ -253,6 +256,14 @@ def _describe(prof: Profile, path: Path, here: MachineInfo, *, named: bool = Tru
          if prof.path_ms else "serving path: not measured (`packrat-mq profile path --model M`)"),
         "mean latency (ms) per batch; rows: threads, columns: batch size",
     ]
+    spreads = sorted(((e.pass_spread, e.threads, e.batch, len(e.pass_means_ms or []))
+                      for e in prof.entries if e.pass_spread is not None), reverse=True)
+    if spreads:
+        worst, t, b, _ = spreads[0]
+        passes = sorted({n for *_, n in spreads})
+        lines.insert(-1, f"passes: {'/'.join(map(str, passes))} ({len(spreads)} of {len(prof.entries)} points); "
+                         f"their means spread by a median {100 * spreads[len(spreads) // 2][0]:.1f}%, "
+                         f"at most {100 * worst:.1f}% (t={t} b={b})")
     return "\n".join(lines)
 
 
