@@ -111,6 +111,9 @@ capacity in every rule above (for five minutes, renewed whenever B serves a
 backlog again). An estimate above B under a load that nothing carries then
 moves B to the B that serves the most, even where the knee said B: on two
 cores a ResNet-50 held B=8, its plan's best, while it fell seconds behind.
+"The most" under a load nothing carries is the largest B within ``knee`` of
+the best plan (:meth:`Policy.most`): plans that close are a tie within a
+profile's noise, and of tied plans the largest B served 27-40% more (12-06).
 
 Everything here is pure (a clock is passed in), so the rules are tested
 without Redis or processes; :mod:`dispatcher.adaptive` runs them in the
@@ -610,8 +613,8 @@ class Policy:
         a moment's lull says "smaller" under a load the smaller B cannot
         carry. So the target is the smallest B at or above the estimate
         whose planned capacity exceeds the measured rate (:meth:`rate`) by
-        the margin; if none does, the B that serves the most (the knee of
-        all, :meth:`worth`). Below the current B it never goes to a B that
+        the margin; if none does, the B that serves the most (the largest
+        within the knee of the best, :meth:`most`). Below the current B it never goes to a B that
         serves less than the current one without carrying the load, and an
         estimate at or below B never moves it up: only a queue that builds
         does, through the estimate. Capacity unknown: the estimate alone.
@@ -756,14 +759,28 @@ class Policy:
         return None if ms is None else ms * stretch
 
     def most(self, capacity: Callable[[int], float | None], at_least: int | None = None) -> int:
-        """The B up to ``max_batch`` (and from ``at_least``) that serves the most (the smallest of equals);
-        ``max_batch`` if any is unknown."""
+        """The largest B up to ``max_batch`` (and from ``at_least``) that serves within ``knee`` of the most;
+        ``max_batch`` if any is unknown.
+
+        Used where nothing carries the load, so every B falls behind and what
+        counts is what it serves. Plans within the knee (5%) of each other
+        are a tie: a profile's passes spread by a median of 8.6% on the Zen 4
+        host (docs/figures.md). Of tied plans the largest B is taken, because
+        under overload it loses least to what the plan does not see: a batch
+        timeout cuts its batches short once the load falls, and the larger B
+        runs more instances of fewer threads, which lose less to the path's
+        processes sharing the cores. Measured with ResNet-50 on two cores
+        (12-06 01:47 and 01:50): the plans gave B=8 (one 2-thread instance)
+        17.83/s and B=32 (two 1-thread ones) 17.76/s; the exact maximum took
+        B=8, which served 19.2-20.8/s under the step while static B=32 served
+        26.5-26.9/s, and the step's p50 was 1086-1184 ms against 431-501.
+        """
         candidates = [b for b in self._candidates(self.settings.max_batch) if at_least is None or b >= at_least]
         caps = [capacity(b) for b in candidates]
         if any(c is None for c in caps):
             return self.settings.max_batch
         best = max(c for c in caps if c is not None)
-        return next(b for b, c in zip(candidates, caps) if c == best)
+        return max(b for b, c in zip(candidates, caps) if c is not None and c >= (1 - self.settings.knee) * best)
 
     def worth(self, b_tilde: int, capacity: Callable[[int], float | None] | None) -> int:
         """The smallest B up to ``b_tilde`` that serves within ``knee`` of the best of them (``b_tilde`` if unknown).
