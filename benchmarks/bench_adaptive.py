@@ -51,6 +51,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 os.environ.setdefault("PACKRAT_LOG_LEVEL", "WARNING")
 
 from optimizer.calibration import example_payloads  # noqa: E402
@@ -295,6 +297,63 @@ class Driver:
         self.t0 = t0
 
 
+class CpuMeter(threading.Thread):
+    """CPU seconds of each role over the trace: ``up`` (dispatcher, estimator, supervisor), instances, Redis, client.
+
+    On a host whose every core runs an instance, whatever the path's
+    processes use is taken from the instances, so a setup that serves the
+    same layout slower should show where the time went. Sampled every
+    0.5 s (instances come and go with reconfigurations); a process's CPU
+    before the trace starts is not counted.
+    """
+
+    def __init__(self, up_pid: int) -> None:
+        super().__init__(daemon=True)
+        self.up = psutil.Process(up_pid)
+        self.me = psutil.Process()
+        self.stop_event = threading.Event()
+        self.first: dict[int, float] = {}
+        self.last: dict[int, tuple[str, float]] = {}
+        self.t0 = self.t1 = time.monotonic()
+        self._sample()
+        self.first = {pid: cpu for pid, (_, cpu) in self.last.items()}
+
+    def _processes(self) -> list[tuple[str, psutil.Process]]:
+        out = [("up", self.up), ("client", self.me)]
+        try:
+            out += [("instances", c) for c in self.up.children(recursive=True)]
+        except psutil.Error:
+            pass
+        for proc in psutil.process_iter(["name"]):
+            if "redis" in (proc.info.get("name") or ""):
+                out.append(("redis", proc))
+        return out
+
+    def _sample(self) -> None:
+        for role, proc in self._processes():
+            try:
+                t = proc.cpu_times()
+            except psutil.Error:
+                continue
+            self.last[proc.pid] = (role, t.user + t.system)
+        self.t1 = time.monotonic()
+
+    def run(self) -> None:
+        while not self.stop_event.wait(0.5):
+            self._sample()
+
+    def stop(self) -> dict[str, float]:
+        """Cores used by each role over the trace (CPU seconds / wall seconds)."""
+        self.stop_event.set()
+        self.join(2)
+        self._sample()
+        wall = max(self.t1 - self.t0, 1e-9)
+        used: dict[str, float] = {}
+        for pid, (role, cpu) in self.last.items():
+            used[role] = used.get(role, 0.0) + cpu - self.first.get(pid, 0.0)
+        return {role: round(v / wall, 3) for role, v in sorted(used.items())}
+
+
 class Monitor(threading.Thread):
     """B, Q̃, B̃ and the backlog every 100 ms."""
 
@@ -416,10 +475,13 @@ def run_setup(name: str, args: argparse.Namespace, url: str, phases: list[Phase]
         print(f"[{name}] spares loaded {spares_s:.1f} s after ready; the trace starts now", flush=True)
     monitor = Monitor(url, prefix, args.model)
     monitor.start()
+    cpu = CpuMeter(proc.pid)
+    cpu.start()
     driver = Driver(url, prefix, args.model, payloads, seed=args.seed, shm_dir=shm_dir, shm_keep=args.shm == "keep")
     try:
         driver.run(phases)
     finally:
+        cores = cpu.stop()
         monitor.stop_event.set()
         monitor.join(5)
         monitor.collect_history()
@@ -434,6 +496,8 @@ def run_setup(name: str, args: argparse.Namespace, url: str, phases: list[Phase]
             shutil.rmtree(shm_dir, ignore_errors=True)
     result = analyse(name, driver, monitor.samples, history, phases, lines)
     result["spares_loaded_s"] = spares_s
+    result["cores_used"] = cores  # CPU seconds per wall second over the trace, by role
+    print(f"[{name}] cores used over the trace: " + ", ".join(f"{k} {v:.2f}" for k, v in cores.items()), flush=True)
     if shm_dir:
         result["shm_files_left"] = left
     return result
@@ -584,6 +648,10 @@ def markdown(results: dict[str, Any]) -> str:
     lines.append("| sent / received / lost / duplicated / still queued at the end | | " + " | ".join(
         f"{s['sent']} / {s['received']} / {s['lost']} / {s['duplicated']} / {s.get('unanswered_at_end', 0)}"
         for s in setups.values()) + " |")
+    if any(s.get("cores_used") for s in setups.values()):  # runs before 12-06 did not measure it
+        lines.append("| cores used: up (dispatcher, supervisor) / instances / Redis / client | | " + " | ".join(
+            " / ".join(f"{(s.get('cores_used') or {}).get(k, 0.0):.2f}" for k in ("up", "instances", "redis", "client"))
+            if s.get("cores_used") else "-" for s in setups.values()) + " |")
     a = setups.get("adaptive")
     if a and a["reconfigurations"]:
         lines += ["", "| at (s) | reason | B | kind | from spares | decision→ready | →switch | →drained | total | "

@@ -52,3 +52,29 @@ def test_each_phase_of_the_trace_starts_at_its_boundary(monkeypatch: pytest.Monk
         assert all(at < 0.6 for at in quiet)
         assert busy and 0.6 <= min(busy) < 0.65 and max(busy) < 1.05, (min(busy), max(busy))
         assert 1.45 <= driver.elapsed_s < 1.8  # the trace lasts its phases, a quiet end included
+
+
+def test_cpu_meter_counts_the_cores_each_role_used_over_the_trace() -> None:
+    """A parent that sleeps and a child that spins for the trace: about 0 cores to ``up``, 1 to its instances."""
+    import subprocess
+    import sys
+    import time
+
+    from benchmarks.bench_adaptive import CpuMeter
+
+    spin = "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 30: pass"
+    parent = subprocess.Popen([sys.executable, "-c",
+                               f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {spin!r}]); time.sleep(30)"])
+    try:
+        time.sleep(0.5)  # the child started and spinning before the trace
+        meter = CpuMeter(parent.pid)
+        meter.start()
+        time.sleep(1.5)
+        cores = meter.stop()
+    finally:
+        for child in __import__("psutil").Process(parent.pid).children(recursive=True):
+            child.kill()
+        parent.kill()
+    assert cores["up"] < 0.2
+    assert 0.5 < cores["instances"] <= 1.1  # one spinning process: one core, less what the shared host takes
+    assert "client" in cores
