@@ -199,6 +199,12 @@ class PlannedCapacity:
         return {node: frozenset(i.threads for i in configuration.instances)
                 for node, (_, configuration) in plans.items()}
 
+    def most_threads(self, batch: int) -> int | None:
+        """The most threads any instance of B=``batch``'s plans has, on any node (None where unknown)."""
+        layout = self.layout(batch)
+        counts = [t for threads in (layout or {}).values() for t in threads]
+        return max(counts) if counts else None
+
     def needs_processes(self, a: int, b: int) -> bool:
         """Whether going from B=``a`` to B=``b`` changes some node's instance thread counts (active-passive).
 
@@ -283,6 +289,9 @@ class Adaptive:
         # Which changes take new processes, by the plans, and how long the last one took: a move down
         # waits for what its switch costs (``Policy.switch_wait``).
         self.policy.needs_processes = getattr(capacity, "needs_processes", None)
+        # How many threads each B's instances have: a loss measured serving one B discounts the plans of
+        # B with as many threads or more (``Policy.effective``).
+        self.policy.threads = getattr(capacity, "most_threads", None)
         # What each B's requests take at a rate, by its plans: a smaller B that answers sooner is taken.
         self.policy.latency = getattr(capacity, "latency", None)
         #: Since a change took effect, until its history entry is read (monotonic; None: nothing to read).

@@ -315,6 +315,9 @@ class Policy:
     #: Whether going from one B to another takes new processes (an active-passive change), by the plans;
     #: None: unknown, every change counts as cheap.
     needs_processes: Callable[[int, int], bool] | None = None
+    #: The most threads of any instance in a B's plans (None where unknown); None: unknown for every B,
+    #: and a loss measured at one B discounts no other B's plan (:meth:`effective`).
+    threads: Callable[[int], int | None] | None = None
     #: How long the last active-passive change over-subscribed the cores (seconds, as its history says).
     switch_s: float = 0.0
     #: The mean ms from arrival to answer of a B's plans at a rate (requests/s), None where unknown
@@ -759,17 +762,17 @@ class Policy:
         return None if ms is None else ms * stretch
 
     def most(self, capacity: Callable[[int], float | None], at_least: int | None = None) -> int:
-        """The largest B up to ``max_batch`` (and from ``at_least``) that serves within ``knee`` of the most;
-        ``max_batch`` if any is unknown.
+        """Of the B up to ``max_batch`` (and from ``at_least``) that serve within ``knee`` of the most, the
+        one whose instances have the fewest threads, and of those the largest; ``max_batch`` if any is unknown.
 
         Used where nothing carries the load, so every B falls behind and what
         counts is what it serves. Plans within the knee (5%) of each other
         are a tie: a profile's passes spread by a median of 8.6% on the Zen 4
-        host (docs/figures.md). Of tied plans the largest B is taken, because
-        under overload it loses least to what the plan does not see: a batch
-        timeout cuts its batches short once the load falls, and the larger B
-        runs more instances of fewer threads, which lose less to the path's
-        processes sharing the cores. Measured with ResNet-50 on two cores
+        host (docs/figures.md). Of tied plans the one of fewest threads loses
+        least to what the plan does not see, the path's processes taking
+        time slices (an instance of several threads stalls at every barrier
+        for a preempted thread; :meth:`learn`), and of those the largest B
+        (thread counts unknown: the largest). Measured with ResNet-50 on two cores
         (12-06 01:47 and 01:50): the plans gave B=8 (one 2-thread instance)
         17.83/s and B=32 (two 1-thread ones) 17.76/s; the exact maximum took
         B=8, which served 19.2-20.8/s under the step while static B=32 served
@@ -780,7 +783,14 @@ class Policy:
         if any(c is None for c in caps):
             return self.settings.max_batch
         best = max(c for c in caps if c is not None)
-        return max(b for b, c in zip(candidates, caps) if c is not None and c >= (1 - self.settings.knee) * best)
+        tied = [b for b, c in zip(candidates, caps) if c is not None and c >= (1 - self.settings.knee) * best]
+        threads = self.threads
+
+        def fewest_then_largest(b: int) -> tuple[int, int]:
+            t = threads(b) if threads is not None else None
+            return (-(t or 0), b)
+
+        return max(tied, key=fewest_then_largest)
 
     def worth(self, b_tilde: int, capacity: Callable[[int], float | None] | None) -> int:
         """The smallest B up to ``b_tilde`` that serves within ``knee`` of the best of them (``b_tilde`` if unknown).
@@ -843,13 +853,49 @@ class Policy:
 
     def effective(self, capacity: Callable[[int], float | None] | None,
                   now: float) -> Callable[[int], float | None] | None:
-        """``capacity``, with what each B was measured to serve (:meth:`measured`) in place of its plan."""
+        """``capacity``, with what each B was measured to serve (:meth:`measured`) in place of its plan,
+        and the plans of B not measured discounted by the loss measured at B of no more threads.
+
+        A measure is served through the path, a plan is not: comparing one
+        with the other favours whichever B has not been measured yet. What
+        a plan loses when served is the path's processes taking time slices
+        from the instances, and an instance of more threads loses at least
+        as much (a stolen slice stalls every thread at the next barrier;
+        :meth:`learn`). So where B' was measured serving ``r`` < 1 of its
+        plan, the plan of a B not measured whose instances have at least
+        as many threads as B''s is taken at ``r`` of itself (the least loss
+        of such measures: no more discount than one shows). A B of fewer
+        threads keeps its plan: on two cores (12-03) a 2-thread B=8 served
+        0.82 of its plan while two 1-thread instances at B=32 served theirs.
+        Why: on the Zen 4 host (12-06 12:44), B=32 (two 1-thread instances)
+        was measured at 16.0/s under a backlog of 87 requests, B=8 (one
+        2-thread instance) was planned at 18.8, 17% more; B went 32 -> 8
+        with the switch over-subscribing the cores 6.6 s, and B=8 then
+        served 16.0/s too (the queue delay took it to 16, then 32); the
+        trace's mean was 9x static B=32's. With thread counts unknown, no
+        plan is discounted.
+        """
         served = self.measured(now) if capacity is not None else {}
         if not served:
             return capacity
+        assert capacity is not None
+        threads = self.threads
+        losses: list[tuple[int, float]] = []  # (threads of the B measured, served / plan) where it served less
+        if threads is not None:
+            for b, rate in served.items():
+                plan, t = capacity(b), threads(b)
+                if plan and t is not None and rate < plan:
+                    losses.append((t, rate / plan))
 
         def with_served(batch: int) -> float | None:
-            return served[batch] if batch in served else capacity(batch)
+            if batch in served:
+                return served[batch]
+            plan = capacity(batch)
+            if plan is None or not losses or threads is None:
+                return plan
+            t = threads(batch)
+            ratios = [r for tb, r in losses if t is not None and tb <= t]
+            return plan * max(ratios) if ratios else plan
 
         return with_served
 

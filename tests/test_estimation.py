@@ -882,6 +882,7 @@ def test_planned_layouts_say_which_changes_take_new_processes(tmp_path) -> None:
     assert cap.layout(1) == {"n1": frozenset({2})}
     assert cap.layout(4) == {"n1": frozenset({1})}
     assert cap.needs_processes(4, 1) and not cap.needs_processes(4, 2)
+    assert cap.most_threads(1) == 2 and cap.most_threads(4) == 1  # what Policy.effective discounts by
 
 
 def test_the_sampler_reads_the_switch_cost_from_the_history() -> None:
@@ -1322,3 +1323,54 @@ def test_under_a_load_nothing_carries_tied_plans_take_the_largest_batch() -> Non
     assert policy.most(ahead.get) == 8
     assert policy.most(caps.get, at_least=16) == 32
     assert Policy(EstimatorSettings(knee=0.0)).most(caps.get) == 8  # no knee: the exact maximum
+
+
+def test_tied_plans_take_the_fewest_threads_then_the_largest_batch() -> None:
+    """B=4 and B=8 one 2-thread instance, B=16 two 1-thread ones: of the three tied, B=16."""
+    caps = {1: 13.0, 2: 15.0, 4: 17.6, 8: 17.8, 16: 17.2, 32: 15.0}
+    policy = Policy()
+    policy.threads = {1: 2, 2: 2, 4: 2, 8: 2, 16: 1, 32: 1}.get
+    assert policy.most(caps.get) == 16
+    policy.threads = lambda b: None  # unknown: the largest of the tied
+    assert policy.most(caps.get) == 16
+
+
+def test_a_loss_measured_discounts_the_plans_of_as_many_threads_or_more() -> None:
+    """The Zen 4 host (12-06 12:44): B=32 (1-thread instances) served 16.0/s of its 22.5 planned.
+
+    B=8's plan of 18.8 (one 2-thread instance) read 17% over B=32's measure
+    and took B down through a 6.6 s switch, to serve 16.0/s too. A plan of
+    as many threads or more is discounted by the loss measured; a plan of
+    fewer threads is not (a 2-thread B measured short says nothing of
+    1-thread ones, which lose less).
+    """
+    plans = {1: 14.6, 2: 16.7, 4: 18.3, 8: 18.8, 16: 17.4, 32: 17.8}  # the dispatcher's, that run
+    threads = {1: 2, 2: 2, 4: 2, 8: 2, 16: 1, 32: 1}
+
+    def policy_serving_32() -> Policy:
+        policy = Policy(needs_processes=lambda a, b: (threads[a] == 1) != (threads[b] == 1))
+        policy.served[32] = (16.0, 0.0)
+        return policy
+
+    blind = policy_serving_32()  # thread counts unknown: B=8's plan as it is, 17.5% over B=32's measure
+    served = blind.effective(plans.get, 1.0)
+    assert served is not None and served(8) == 18.8
+    assert blind.carrying(1.0, blind.worth(32, served), 32, served, rate=15.9, estimated=32) == 8
+    policy = policy_serving_32()
+    policy.threads = threads.get
+    served = policy.effective(plans.get, 1.0)
+    assert served is not None
+    assert served(32) == 16.0
+    assert served(8) == pytest.approx(18.8 * 16.0 / 17.8)
+    assert served(16) == pytest.approx(17.4 * 16.0 / 17.8)  # the same thread count
+    # Nothing carries 15.9/s; B=8 (16.9) is no longer switch_gain (10%) more than B=32's 16.0.
+    assert policy.carrying(1.0, policy.worth(32, served), 32, served, rate=15.9, estimated=32) == 32
+
+    policy = Policy()
+    policy.threads = {1: 2, 2: 2, 4: 2, 8: 2, 16: 1, 32: 1}.get
+    policy.served[8] = (23.0, 0.0)  # a 2-thread B measured short (12-03): 1-thread plans stand
+    served = policy.effective({**plans, 8: 28.1}.get, 1.0)
+    assert served is not None
+    assert served(16) == 17.4 and served(32) == 17.8
+    assert served(4) == pytest.approx(18.3 * 23.0 / 28.1)
+
