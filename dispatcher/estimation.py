@@ -654,7 +654,7 @@ class Policy:
             # the 12-03 ResNet-50 trace tried (8 -> 4 under its steady step) and took back by the
             # queue-delay trigger 6 s later.
             up = estimated is not None and estimated > current
-            target = max(self.most(capacity, at_least=current if up else None), b_tilde)
+            target = max(self.most(capacity, at_least=current if up else None, current=current), b_tilde)
             now_cap, cap = capacity(current), capacity(target)
             # Down to a B that needs new processes: only for ``switch_gain`` more. The switch over-subscribes the
             # cores for seconds while the load already outruns both, and a few percent is within the noise of a
@@ -761,7 +761,8 @@ class Policy:
         ms = self.latency(batch, rate * stretch)
         return None if ms is None else ms * stretch
 
-    def most(self, capacity: Callable[[int], float | None], at_least: int | None = None) -> int:
+    def most(self, capacity: Callable[[int], float | None], at_least: int | None = None,
+             current: int | None = None) -> int:
         """Of the B up to ``max_batch`` (and from ``at_least``) that serve within ``knee`` of the most, the
         one whose instances have the fewest threads, and of those the largest; ``max_batch`` if any is unknown.
 
@@ -772,7 +773,11 @@ class Policy:
         least to what the plan does not see, the path's processes taking
         time slices (an instance of several threads stalls at every barrier
         for a preempted thread; :meth:`learn`), and of those the largest B
-        (thread counts unknown: the largest). Measured with ResNet-50 on two cores
+        (thread counts unknown: the largest). A ``current`` B among the tied
+        is kept: a tie is no reason to move, and without this the
+        timeouts took B=32 down to a B=8 tied with it, whose plan then fell
+        short of a burst, and "the most" took it back up, four times in 31 s
+        (12-06 13:00). Measured with ResNet-50 on two cores
         (12-06 01:47 and 01:50): the plans gave B=8 (one 2-thread instance)
         17.83/s and B=32 (two 1-thread ones) 17.76/s; the exact maximum took
         B=8, which served 19.2-20.8/s under the step while static B=32 served
@@ -784,6 +789,8 @@ class Policy:
             return self.settings.max_batch
         best = max(c for c in caps if c is not None)
         tied = [b for b, c in zip(candidates, caps) if c is not None and c >= (1 - self.settings.knee) * best]
+        if current in tied:
+            return current
         threads = self.threads
 
         def fewest_then_largest(b: int) -> tuple[int, int]:
