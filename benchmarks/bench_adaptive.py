@@ -558,6 +558,11 @@ def analyse(name: str, driver: Driver, samples: list[dict[str, Any]], history: l
                          "at_s": round(at - driver.t0, 2) if at else None,
                          "p50_ms_5s": percentile(window, 50), "p99_ms_5s": percentile(window, 99)})
     all_ms = [x[1] for x in latencies]
+    # The handler's time by the batch it ran in: the same layout served slower in one setup than in
+    # another shows here (a batch of k requests answers k replies, each carrying its batch's inference_ms).
+    by_batch: dict[int, list[float]] = {}
+    for x in latencies:
+        by_batch.setdefault(int(x[3]["batch_size"]), []).append(float(x[3]["inference_ms"]))
     return {
         "setup": name,
         "sent": len(driver.sent), "received": len(latencies), "lost": lost, "duplicated": duplicated,
@@ -569,6 +574,7 @@ def analyse(name: str, driver: Driver, samples: list[dict[str, Any]], history: l
         "timeline": [{"t": round(s["at"] - driver.t0, 2), **{k: s.get(k) for k in ("batch", "q_tilde", "length", "profile_ratio")}}
                      for s in samples],
         "latencies": [(round(x[0] - driver.t0, 3), round(x[1], 2)) for x in latencies],
+        "inference_ms_by_batch": {k: {"replies": len(v), "p50_ms": percentile(v, 50)} for k, v in sorted(by_batch.items())},
         "up_log_tail": log[-15:],
     }
 
