@@ -763,8 +763,9 @@ class Policy:
 
     def most(self, capacity: Callable[[int], float | None], at_least: int | None = None,
              current: int | None = None) -> int:
-        """Of the B up to ``max_batch`` (and from ``at_least``) that serve within ``knee`` of the most, the
-        one whose instances have the fewest threads, and of those the largest; ``max_batch`` if any is unknown.
+        """Of the B up to ``max_batch`` (and from ``at_least``) that serve within ``knee`` of the most: the
+        ``current`` one; else those reached without new processes; of those the one whose instances have the
+        fewest threads, and of those the largest; ``max_batch`` if any is unknown.
 
         Used where nothing carries the load, so every B falls behind and what
         counts is what it serves. Plans within the knee (5%) of each other
@@ -773,7 +774,13 @@ class Policy:
         least to what the plan does not see, the path's processes taking
         time slices (an instance of several threads stalls at every barrier
         for a preempted thread; :meth:`learn`), and of those the largest B
-        (thread counts unknown: the largest). A ``current`` B among the tied
+        (thread counts unknown: the largest). A tie reached by a reshare is
+        taken over one that needs an active-passive switch: on 12-06 12:58-13:15
+        the tie-break alone took B=1 (one 2-thread instance) to B=32 (two
+        1-thread ones) at the step where B=8 was a reshare, and the later
+        moves back to the 2-thread layout were switches of 1-4 s; the
+        adaptive mean was 1.51x and 2.22x static B=32's, against 1.42x and
+        1.36x with the exact maximum interleaved. A ``current`` B among the tied
         is kept: a tie is no reason to move, and without this the
         timeouts took B=32 down to a B=8 tied with it, whose plan then fell
         short of a burst, and "the most" took it back up, four times in 31 s
@@ -791,6 +798,8 @@ class Policy:
         tied = [b for b, c in zip(candidates, caps) if c is not None and c >= (1 - self.settings.knee) * best]
         if current in tied:
             return current
+        if current is not None:  # a tie buys nothing a switch's seconds over-subscribed would pay for
+            tied = [b for b in tied if not self.needs_switch(current, b)] or tied
         threads = self.threads
 
         def fewest_then_largest(b: int) -> tuple[int, int]:

@@ -1323,6 +1323,10 @@ def test_under_a_load_nothing_carries_tied_plans_take_the_largest_batch() -> Non
     flat = {1: 16.7, 2: 19.1, 4: 20.0, 8: 21.5, 16: 20.1, 32: 21.4}
     assert policy.carrying(0.0, 8, 8, flat.get, rate=26.4, estimated=32) == 8
     assert Policy(EstimatorSettings(knee=0.0)).most(caps.get) == 8  # no knee: the exact maximum
+    # B <= 8 one 2-thread instance, B >= 16 two 1-thread ones: from B=1, B=8 is a reshare, B=32 a switch.
+    switching = Policy(needs_processes=lambda a, b: (a >= 16) != (b >= 16))
+    assert switching.most(caps.get, current=1) == 8
+    assert switching.most(caps.get, current=16) == 32
 
 
 def test_tied_plans_take_the_fewest_threads_then_the_largest_batch() -> None:
