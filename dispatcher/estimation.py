@@ -111,9 +111,12 @@ capacity in every rule above (for five minutes, renewed whenever B serves a
 backlog again). An estimate above B under a load that nothing carries then
 moves B to the B that serves the most, even where the knee said B: on two
 cores a ResNet-50 held B=8, its plan's best, while it fell seconds behind.
-"The most" under a load nothing carries is the largest B within ``knee`` of
-the best plan (:meth:`Policy.most`): plans that close are a tie within a
-profile's noise, and of tied plans the largest B served 27-40% more (12-06).
+"The most" under a load nothing carries is a tie of every B within ``knee``
+of the best plan (:meth:`Policy.most`), plans that close being within a
+profile's noise: the current B if tied, else one a reshare reaches, then
+the fewest threads and the largest B. And a B not yet served is not
+compared by its plan alone with one served: a loss measured at B' discounts
+the plans of B with as many threads or more (:meth:`Policy.effective`).
 
 Everything here is pure (a clock is passed in), so the rules are tested
 without Redis or processes; :mod:`dispatcher.adaptive` runs them in the
