@@ -311,6 +311,8 @@ class CpuMeter(threading.Thread):
         super().__init__(daemon=True)
         self.up = psutil.Process(up_pid)
         self.me = psutil.Process()
+        # The benchmark's Redis runs from before the trace to after it: looked up once, not on every sample.
+        self.redis = [p for p in psutil.process_iter(["name"]) if "redis" in (p.info.get("name") or "")]
         self.stop_event = threading.Event()
         self.first: dict[int, float] = {}
         self.last: dict[int, tuple[str, float]] = {}
@@ -324,10 +326,7 @@ class CpuMeter(threading.Thread):
             out += [("instances", c) for c in self.up.children(recursive=True)]
         except psutil.Error:
             pass
-        for proc in psutil.process_iter(["name"]):
-            if "redis" in (proc.info.get("name") or ""):
-                out.append(("redis", proc))
-        return out
+        return out + [("redis", proc) for proc in self.redis]
 
     def _sample(self) -> None:
         for role, proc in self._processes():

@@ -619,8 +619,8 @@ class Policy:
         a moment's lull says "smaller" under a load the smaller B cannot
         carry. So the target is the smallest B at or above the estimate
         whose planned capacity exceeds the measured rate (:meth:`rate`) by
-        the margin; if none does, the B that serves the most (the largest
-        within the knee of the best, :meth:`most`). Below the current B it never goes to a B that
+        the margin; if none does, the B that serves the most (of those within
+        the knee of the best, as :meth:`most` breaks the tie). Below the current B it never goes to a B that
         serves less than the current one without carrying the load, and an
         estimate at or below B never moves it up: only a queue that builds
         does, through the estimate. Capacity unknown: the estimate alone.
