@@ -173,6 +173,15 @@ class PlannedCapacity:
                 servers.append(Server(inst.batch, took))
         return servers or None
 
+    def hold_s(self, batch: int) -> float | None:
+        """Seconds B's instances take to serve all they can hold: ``1 + max_waiting`` full sub-batches of the
+        slowest (None where unknown). What an active-passive switch away from B waits for
+        (``Policy.switch_cost_s``)."""
+        servers = self.servers(batch)
+        if not servers:
+            return None
+        return (1 + self.max_waiting) * max(s.latency_ms(s.share) for s in servers) / 1000.0
+
     def _estimate(self) -> tuple[LatencyFn, Callable[[int], float]] | None:
         """The profile's latency of (threads, k) and its serving path's cost of k (ms), for the mode served."""
         if self.mode not in self._estimates:
@@ -294,6 +303,8 @@ class Adaptive:
         self.policy.threads = getattr(capacity, "most_threads", None)
         # What each B's requests take at a rate, by its plans: a smaller B that answers sooner is taken.
         self.policy.latency = getattr(capacity, "latency", None)
+        # What each B's instances hold: a switch away from B lasts until they have served it.
+        self.policy.hold_s = getattr(capacity, "hold_s", None)
         #: Since a change took effect, until its history entry is read (monotonic; None: nothing to read).
         self._history_due: float | None = None
         #: When that change took effect (the reads stop a minute after it).
@@ -432,7 +443,9 @@ class Adaptive:
         self._history_due = None
         if entry.get("kind") == "active-passive" and entry.get("oversubscribed_s"):
             with self._lock:
-                self.policy.switch_s = float(entry["oversubscribed_s"])
+                # The model-wide B it left, as this dispatcher served it (the entry's is the node's share).
+                left = self.policy.last_change[0] if self.policy.last_change is not None else None
+                self.policy.record_switch(float(entry["oversubscribed_s"]), left)
 
     def sample(self) -> Decision | None:
         """One sample and decision (the thread's body; tests call it directly)."""

@@ -207,6 +207,8 @@ FASTER_SPARE = 0.05
 #: How long a B's served capacity, measured under a backlog, stands in for its plan's (seconds;
 #: see ``Policy.learn``): a host's speed drifts, and a measurement is renewed whenever B serves a backlog.
 SERVED_TTL_S = 300.0
+#: How many recent active-passive switches the estimate of the next one's length reads (``Policy.switch_cost_s``).
+SWITCHES_KEPT = 5
 
 
 def floor_pow2(x: float) -> int:
@@ -323,6 +325,12 @@ class Policy:
     threads: Callable[[int], int | None] | None = None
     #: How long the last active-passive change over-subscribed the cores (seconds, as its history says).
     switch_s: float = 0.0
+    #: Seconds B's instances take to serve all they can hold (the sub-batch running and those queued
+    #: behind it), by its plans; None where unknown. What a switch away from B waits for
+    #: (:meth:`switch_cost_s`); None: unknown for every B, and the last switch's length stands for the next.
+    hold_s: Callable[[int], float | None] | None = None
+    #: Of the recent active-passive switches: over-subscribed seconds per second of what the B left held.
+    _switch_per_hold: deque[float] = field(default_factory=lambda: deque(maxlen=SWITCHES_KEPT))
     #: The mean ms from arrival to answer of a B's plans at a rate (requests/s), None where unknown
     #: (:meth:`quickest`); None: no prediction, the capacity margin alone decides.
     latency: Callable[[int, float], float | None] | None = None
@@ -1066,6 +1074,40 @@ class Policy:
             return None
         return cap + (length - then) / (at - then_at)
 
+    def record_switch(self, seconds: float, from_batch: int | None = None) -> None:
+        """An active-passive switch away from B=``from_batch`` over-subscribed the cores ``seconds``."""
+        self.switch_s = seconds
+        held = self.hold_s(from_batch) if self.hold_s is not None and from_batch is not None else None
+        if held and held > 0:
+            self._switch_per_hold.append(seconds / held)
+
+    def switch_cost_s(self, current: int) -> float:
+        """How long a switch away from ``current`` is expected to over-subscribe the cores (seconds; 0: none
+        measured yet, nothing is delayed on a guess).
+
+        A switch lasts until the old instances have served what they hold
+        (the new ones warm up meanwhile on the same cores), so its length
+        follows the B it leaves, not the last switch: on the Zen 4 host
+        (12-06, 21 runs of the ResNet-50 trace) moves from B=32 (two
+        1-thread instances, 1.9 s a full sub-batch) to one 2-thread
+        instance over-subscribed 0.8-6.6 s, a median near 3 s, and moves
+        from B=1 or B=8 up to B=32 0.1-1.2 s. The policy read the last one:
+        every move down from B=32 that followed the move up from idle was
+        priced at 0.1-0.3 s, its payback (:meth:`payback_s`) at a
+        hundredth of a second, and five such moves were followed by a
+        backlog (the trace's mean 1.5-2.2x static B=32's). So: the median,
+        over the last ``SWITCHES_KEPT`` switches, of their seconds per
+        second of what the B they left holds (:attr:`hold_s`; 0.2-1.7 on
+        that host, whichever the direction), times what ``current`` holds.
+        Where what B holds is unknown: the last switch's seconds.
+        """
+        if not self.switch_s:
+            return 0.0
+        held = self.hold_s(current) if self.hold_s is not None else None
+        if not held or not self._switch_per_hold:
+            return self.switch_s
+        return statistics.median(self._switch_per_hold) * held
+
     def needs_switch(self, current: int, target: int) -> bool:
         """Whether the plans say going from ``current`` to ``target`` takes new processes (False: unknown)."""
         return self.needs_processes is not None and self.needs_processes(current, target)
@@ -1073,8 +1115,9 @@ class Policy:
     def switch_wait(self, current: int, target: int, now: float | None = None,
                     capacity: Callable[[int], float | None] | None = None,
                     planned: Callable[[int], float | None] | None = None) -> float:
-        """What a move down waits beyond its timeout for the switch it takes: ``switch_factor`` × the last
-        active-passive change's over-subscribed seconds, when the plans say it needs new processes.
+        """What a move down waits beyond its timeout for the switch it takes: ``switch_factor`` × the
+        over-subscribed seconds expected of a switch away from ``current`` (:meth:`switch_cost_s`), when
+        the plans say it needs new processes.
 
         A change of thread counts over-subscribes the cores while the new
         instances warm up and the old ones drain: 2.4 s for ResNet-50 on two
@@ -1093,10 +1136,11 @@ class Policy:
         ``capacity`` given (and ``switch_payback``), the wait is at least
         :meth:`payback_s`.
         """
-        if not self.switch_s or not self.needs_switch(current, target):
+        cost = self.switch_cost_s(current)
+        if not cost or not self.needs_switch(current, target):
             self._payback = None
             return 0.0
-        wait = self.settings.switch_factor * self.switch_s
+        wait = self.settings.switch_factor * cost
         if self.settings.switch_payback and now is not None and capacity is not None:
             payback = self.payback_s(now, current, target, capacity, planned)
             self._payback = payback if payback > wait else None
@@ -1117,9 +1161,9 @@ class Policy:
         than twice what knowing the future would (the deterministic
         ski-rental bound), without guessing how long the load will stay.
 
-        The switch's cost: for ``switch_s`` (the last switch's over-subscribed
-        seconds) only ``switch_keep`` of the current B's capacity serves, so a
-        backlog of (rate − keep × capacity) × switch_s builds; the target
+        The switch's cost: for its over-subscribed seconds (:meth:`switch_cost_s`)
+        only ``switch_keep`` of the current B's capacity serves, so a
+        backlog of (rate − keep × capacity) × those seconds builds; the target
         then drains it at its capacity less the rate. Every request in it
         waits, on average, half of the switch plus half of the drain. Read at
         the arrivals' high bound (:meth:`rate_bound`), as every move down is.
@@ -1131,7 +1175,8 @@ class Policy:
         phase (p50 1,271 ms against 370 for static B=32), after 2 x 1.2 s of
         the flat wait.
         """
-        if self.latency is None or not self.switch_s:
+        d = self.switch_cost_s(current)
+        if self.latency is None or not d:
             return 0.0
         rate = self.rate_bound(now)
         cap, cap_new = capacity(current), capacity(target)
@@ -1144,7 +1189,6 @@ class Policy:
             return 0.0 if cap_new > (1 + self.settings.switch_gain) * cap else math.inf
         if rate >= cap_new:
             return math.inf
-        d = self.switch_s
         backlog = max(0.0, rate - self.settings.switch_keep * cap) * d
         if backlog <= 0:
             return 0.0
