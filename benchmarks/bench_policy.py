@@ -38,6 +38,8 @@ from dispatcher.adaptive import PlannedCapacity
 from dispatcher.estimation import Estimator, Policy
 from dispatcher.queueing import Server, spread
 
+#: How often the supervisors' drift check measures the host against the profile (s; ``--motion``).
+DRIFT_S = 10.0
 #: The dispatcher's sampler's period (s), and the simulation's step (s).
 SAMPLE_S = 0.005
 STEP_S = 0.001
@@ -164,7 +166,8 @@ def true_servers(plans: PlannedCapacity, batch: int, host: dict[int, float] | No
 def simulate_trace(phases: list[Any], *, plans: PlannedCapacity, setup: str, seed: int = 0,
                    timeout_ms: float = 50.0, switch_s: float = 1.5, keep: float = 0.5,
                    payback: bool = True, host: dict[int, float] | None = None,
-                   by_threads: bool = True) -> TraceRun:
+                   by_threads: bool = True, drain: bool = False, by_hold: bool = True,
+                   motion: tuple[float, float] | None = None) -> TraceRun:
     """One trace (``bench_adaptive``'s phases) served by ``setup``: ``adaptive`` (B from 1, the policy
     deciding, ``payback`` on or off) or ``static-B``; each request's latency kept.
 
@@ -173,6 +176,19 @@ def simulate_trace(phases: list[Any], *, plans: PlannedCapacity, setup: str, see
     and the new ones take over at its end (the policy then reads ``switch_s`` as the sampler reads the
     history). A reshare takes effect at the next batch. What instances hold when replaced is answered
     as they finish it.
+
+    ``drain``: a switch lasts ``switch_s`` (the new instances' warm-up) plus what the old instances hold
+    when it is decided, served at ``keep`` of their speed, as on the Zen 4 host, where a switch from
+    B=32 (two 1-thread instances, 1.9 s a sub-batch) over-subscribed the cores 0.2-6.6 s and the move
+    up from idle 0.1-0.3 s (docs/figures.md). ``by_hold``: the policy prices the next switch by what
+    the B it leaves holds as well (``Policy.switch_cost_s`` with ``PlannedCapacity.drain_s``); without
+    it, by the last switch's seconds alone, as before 12-06.
+
+    ``motion`` (factor, mean dwell in s): the host moves between two speeds, every sub-batch taking 1x
+    or ``factor`` x its time, each state lasting an exponential time of that mean (the Zen 4 host's
+    minutes: about 52 or 67 ms for the same 2-thread b=1 call, from seconds to minutes;
+    docs/figures.md, "Why B=1 misses"). The policy learns it as the supervisors' drift check does:
+    every ``DRIFT_S`` the serving thread count's ratio takes the mean factor of the last ``DRIFT_S``.
 
     ``host``: the instances serve at the profile's latency times ``host[threads]``, and the policy's plans
     are divided by the ratio of the thread count serving (as a supervisor measures it from the
@@ -188,18 +204,35 @@ def simulate_trace(phases: list[Any], *, plans: PlannedCapacity, setup: str, see
     policy, est = Policy(EstimatorSettings(switch_payback=payback)), Estimator()
     policy.latency = plans.latency
     policy.needs_processes = plans.needs_processes
+    if by_hold:
+        policy.drain_s = plans.drain_s
 
     seen: dict[int, float] = {}
+    drift = 1.0  # the policy's measure of the host's motion (1 without it)
 
     def serving(batch: int) -> list[Server]:
-        if host:
+        if host or motion:
             layout = plans.layout(batch) or {}
             threads = max((t for ts in layout.values() for t in ts), default=1)
-            plans.ratios = {"node": host.get(threads, 1.0)}
+            plans.ratios = {"node": (host or {}).get(threads, 1.0) * drift}
             if by_threads:  # as the supervisor keeps each thread count's last measure
-                seen[threads] = host.get(threads, 1.0)
+                seen[threads] = (host or {}).get(threads, 1.0) * drift
                 plans.thread_ratios = {"node": dict(seen)}
         return true_servers(plans, batch, host)
+
+    states: list[tuple[float, float]] = []  # (until, factor) of the host's motion
+    if motion:
+        moving, until, factor = random.Random(seed + 7919), 0.0, 1.0
+        while until < 3600.0:
+            until += moving.expovariate(1.0 / motion[1])
+            states.append((until, factor))
+            factor = motion[0] if factor == 1.0 else 1.0
+
+    def speed(at: float) -> float:
+        for until, factor in states:
+            if at < until:
+                return factor
+        return 1.0
 
     servers = serving(current)
     run = TraceRun(setup, seed)
@@ -221,6 +254,7 @@ def simulate_trace(phases: list[Any], *, plans: PlannedCapacity, setup: str, see
     retired: list[tuple[float, list[float]]] = []
     waiting: deque[float] = deque()
     pending: tuple[float, int] | None = None  # an active-passive change: (when it takes over, to B)
+    switched = 0.0  # when the last one was decided
     slow = 1.0
     t, step, arrived, answered = 0.0, 0, 0, 0
     next_arrival = rng.expovariate(rate_at(0.0))
@@ -250,7 +284,7 @@ def simulate_trace(phases: list[Any], *, plans: PlannedCapacity, setup: str, see
             current, pending, slow = pending[1], None, 1.0
             servers = serving(current)
             holds = [[] for _ in servers]
-            policy.switch_s = switch_s
+            policy.switch_s = t - switched
         idle = [j for j, held in enumerate(holds) if not held]
         serve = idle or [j for j, held in enumerate(holds) if len(held) <= 1]
         if serve and waiting:
@@ -264,9 +298,13 @@ def simulate_trace(phases: list[Any], *, plans: PlannedCapacity, setup: str, see
                     if k:
                         held = holds[j]
                         begin = max(t, held[-1][0] if held else t)
-                        held.append((begin + slow * servers[j].latency_ms(k) / 1000.0, batch[at:at + k]))
+                        took = slow * speed(begin) * servers[j].latency_ms(k) / 1000.0
+                        held.append((begin + took, batch[at:at + k]))
                         at += k
                 policy.record_batch(t, take, take < size, (t - oldest) * 1000.0)
+        if motion and adaptive and step % round(DRIFT_S / STEP_S) == 0:
+            drift = statistics.fmean(speed(t - DRIFT_S * i / 100) for i in range(100))
+            serving(current)  # the plans' ratios only: the instances serving are those held
         if not adaptive or step % round(SAMPLE_S / STEP_S) or t >= total:
             continue
         length = arrived - answered
@@ -289,7 +327,11 @@ def simulate_trace(phases: list[Any], *, plans: PlannedCapacity, setup: str, see
                     retired.extend(held)
             holds = [holds[j] if j < len(holds) else [] for j in range(len(servers))]
         else:
-            pending, slow = (t + switch_s, decision.batch), 1.0 / keep
+            took = switch_s
+            if drain:
+                last = max((held[-1][0] for held in holds if held), default=t)
+                took += max(0.0, last - t) / keep
+            pending, slow, switched = (t + took, decision.batch), 1.0 / keep, t
     return run
 
 
@@ -314,12 +356,14 @@ def trace_main(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {"args": vars(args), "capacities": caps, "notes": notes, "setups": {}}
     for setup in setups:
         name, *flags = setup.split("+")
-        unknown = set(flags) - {"nopayback", "oneratio"}
+        unknown = set(flags) - {"nopayback", "oneratio", "lastswitch"}
         if unknown:
-            raise SystemExit(f"unknown setup flags {sorted(unknown)} (nopayback, oneratio)")
+            raise SystemExit(f"unknown setup flags {sorted(unknown)} (nopayback, oneratio, lastswitch)")
         plans.thread_ratios, plans.ratios = {}, {}
         runs = [simulate_trace(phases, plans=plans, setup=name, seed=seed, switch_s=args.switch_s, keep=args.keep,
-                               payback="nopayback" not in flags, host=host, by_threads="oneratio" not in flags)
+                               payback="nopayback" not in flags, host=host, by_threads="oneratio" not in flags,
+                               drain=args.drain, by_hold="lastswitch" not in flags,
+                               motion=tuple(float(x) for x in args.motion.split(",")) if args.motion else None)
                 for seed in range(args.seeds)]
         means = [r.mean_ms() or 0.0 for r in runs]
         per_phase = {ph: statistics.median([r.mean_ms(a, b) or 0.0 for r in runs]) for ph, a, b in bounds}
@@ -344,10 +388,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="the adaptive benchmark's trace instead of one rate, with switch costs (--setups)")
     ap.add_argument("--setups", default="adaptive,adaptive+nopayback+oneratio,static-32",
                     help="with --trace: adaptive or static-B; adaptive+nopayback: the payback rule off; "
-                         "+oneratio: one served/profiled ratio for every thread count (as before 12-05)")
+                         "+oneratio: one served/profiled ratio for every thread count (as before 12-05); "
+                         "+lastswitch: a switch priced by the last one's seconds (as before 12-06)")
     ap.add_argument("--unit", type=float, default=5.0, help="with --trace: one diurnal step (s)")
     ap.add_argument("--graph", default="eager", help="the profile's mode (eager, torchscript, ...)")
-    ap.add_argument("--switch-s", type=float, default=1.5, help="with --trace: an active-passive switch's length")
+    ap.add_argument("--switch-s", type=float, default=1.5, help="with --trace: an active-passive switch's length "
+                                                                   "(with --drain: its warm-up)")
+    ap.add_argument("--motion", default=None,
+                    help="with --trace: FACTOR,DWELL: the host moves between 1x and FACTOR x the time, each "
+                         "speed lasting DWELL s on average, e.g. 1.25,20")
+    ap.add_argument("--drain", action="store_true",
+                    help="with --trace: a switch also lasts until the old instances have served what they held "
+                         "when it was decided, at --keep of their speed")
     ap.add_argument("--host", default=None,
                     help="with --trace: the host's time over the profile's by thread count, e.g. 2=0.855,1=0.72 "
                          "(what bench_adaptive --rate-scale auto measured)")

@@ -173,14 +173,14 @@ class PlannedCapacity:
                 servers.append(Server(inst.batch, took))
         return servers or None
 
-    def hold_s(self, batch: int) -> float | None:
-        """Seconds B's instances take to serve all they can hold: ``1 + max_waiting`` full sub-batches of the
-        slowest (None where unknown). What an active-passive switch away from B waits for
-        (``Policy.switch_cost_s``)."""
+    def drain_s(self, batch: int) -> float | None:
+        """Seconds B's instances are expected to take, under load, to serve what they hold: half the sub-batch
+        running and the ``max_waiting`` queued behind it, full, of the slowest (None where unknown). An
+        active-passive switch away from B lasts at least that (``Policy.switch_cost_s``)."""
         servers = self.servers(batch)
         if not servers:
             return None
-        return (1 + self.max_waiting) * max(s.latency_ms(s.share) for s in servers) / 1000.0
+        return (0.5 + self.max_waiting) * max(s.latency_ms(s.share) for s in servers) / 1000.0
 
     def _estimate(self) -> tuple[LatencyFn, Callable[[int], float]] | None:
         """The profile's latency of (threads, k) and its serving path's cost of k (ms), for the mode served."""
@@ -304,7 +304,7 @@ class Adaptive:
         # What each B's requests take at a rate, by its plans: a smaller B that answers sooner is taken.
         self.policy.latency = getattr(capacity, "latency", None)
         # What each B's instances hold: a switch away from B lasts until they have served it.
-        self.policy.hold_s = getattr(capacity, "hold_s", None)
+        self.policy.drain_s = getattr(capacity, "drain_s", None)
         #: Since a change took effect, until its history entry is read (monotonic; None: nothing to read).
         self._history_due: float | None = None
         #: When that change took effect (the reads stop a minute after it).
@@ -443,9 +443,7 @@ class Adaptive:
         self._history_due = None
         if entry.get("kind") == "active-passive" and entry.get("oversubscribed_s"):
             with self._lock:
-                # The model-wide B it left, as this dispatcher served it (the entry's is the node's share).
-                left = self.policy.last_change[0] if self.policy.last_change is not None else None
-                self.policy.record_switch(float(entry["oversubscribed_s"]), left)
+                self.policy.switch_s = float(entry["oversubscribed_s"])
 
     def sample(self) -> Decision | None:
         """One sample and decision (the thread's body; tests call it directly)."""

@@ -80,8 +80,10 @@ whose planned capacity carries the measured arrivals with the capacity
 margin, so a step goes there in one change and a lull under load does not
 take B below it. And a seventh, the switch: a change of thread counts
 (active-passive, :meth:`Policy.switch_wait`) must be worth what it costs. A
-move down that takes new processes waits twice the last such change's
-over-subscribed seconds beyond its timeout; a move up that takes them needs
+move down that takes new processes waits twice the seconds its switch is
+expected to over-subscribe the cores (:meth:`Policy.switch_cost_s`: the last
+such change's, or what the current B's instances hold, if longer) beyond its
+timeout; a move up that takes them needs
 the rate window's arrivals, not one second's burst; for a rate window after
 a move down, the backlog of the switch itself moves nothing up unless the
 arrivals do.
@@ -168,7 +170,8 @@ class EstimatorSettings(BaseModel):
                                               "queue-delay trigger excepted).")
     switch_factor: float = Field(default=2.0, ge=0,
                                  description="A move down that needs an active-passive change waits this many "
-                                             "times the last one's over-subscribed seconds beyond its timeout.")
+                                             "times its switch's expected over-subscribed seconds beyond its "
+                                             "timeout (Policy.switch_cost_s).")
     down_confidence: float = Field(default=1.5, ge=0,
                                    description="A smaller B must carry the arrival rate's high bound: the count "
                                                "of the window plus this many standard deviations of a Poisson "
@@ -207,8 +210,6 @@ FASTER_SPARE = 0.05
 #: How long a B's served capacity, measured under a backlog, stands in for its plan's (seconds;
 #: see ``Policy.learn``): a host's speed drifts, and a measurement is renewed whenever B serves a backlog.
 SERVED_TTL_S = 300.0
-#: How many recent active-passive switches the estimate of the next one's length reads (``Policy.switch_cost_s``).
-SWITCHES_KEPT = 5
 
 
 def floor_pow2(x: float) -> int:
@@ -325,12 +326,10 @@ class Policy:
     threads: Callable[[int], int | None] | None = None
     #: How long the last active-passive change over-subscribed the cores (seconds, as its history says).
     switch_s: float = 0.0
-    #: Seconds B's instances take to serve all they can hold (the sub-batch running and those queued
-    #: behind it), by its plans; None where unknown. What a switch away from B waits for
-    #: (:meth:`switch_cost_s`); None: unknown for every B, and the last switch's length stands for the next.
-    hold_s: Callable[[int], float | None] | None = None
-    #: Of the recent active-passive switches: over-subscribed seconds per second of what the B left held.
-    _switch_per_hold: deque[float] = field(default_factory=lambda: deque(maxlen=SWITCHES_KEPT))
+    #: Seconds B's instances are expected to take, under load, to serve what they hold (half the sub-batch
+    #: running and those queued behind it), by its plans; None where unknown. A switch away from B lasts at
+    #: least that (:meth:`switch_cost_s`); None: unknown for every B, the last switch's length stands.
+    drain_s: Callable[[int], float | None] | None = None
     #: The mean ms from arrival to answer of a B's plans at a rate (requests/s), None where unknown
     #: (:meth:`quickest`); None: no prediction, the capacity margin alone decides.
     latency: Callable[[int, float], float | None] | None = None
@@ -1074,39 +1073,29 @@ class Policy:
             return None
         return cap + (length - then) / (at - then_at)
 
-    def record_switch(self, seconds: float, from_batch: int | None = None) -> None:
-        """An active-passive switch away from B=``from_batch`` over-subscribed the cores ``seconds``."""
-        self.switch_s = seconds
-        held = self.hold_s(from_batch) if self.hold_s is not None and from_batch is not None else None
-        if held and held > 0:
-            self._switch_per_hold.append(seconds / held)
-
     def switch_cost_s(self, current: int) -> float:
-        """How long a switch away from ``current`` is expected to over-subscribe the cores (seconds; 0: none
-        measured yet, nothing is delayed on a guess).
+        """How long a switch away from ``current`` is expected to over-subscribe the cores (seconds; 0: no
+        switch measured yet, nothing is delayed on a guess).
 
-        A switch lasts until the old instances have served what they hold
-        (the new ones warm up meanwhile on the same cores), so its length
-        follows the B it leaves, not the last switch: on the Zen 4 host
-        (12-06, 21 runs of the ResNet-50 trace) moves from B=32 (two
-        1-thread instances, 1.9 s a full sub-batch) to one 2-thread
-        instance over-subscribed 0.8-6.6 s, a median near 3 s, and moves
-        from B=1 or B=8 up to B=32 0.1-1.2 s. The policy read the last one:
-        every move down from B=32 that followed the move up from idle was
-        priced at 0.1-0.3 s, its payback (:meth:`payback_s`) at a
-        hundredth of a second, and five such moves were followed by a
-        backlog (the trace's mean 1.5-2.2x static B=32's). So: the median,
-        over the last ``SWITCHES_KEPT`` switches, of their seconds per
-        second of what the B they left holds (:attr:`hold_s`; 0.2-1.7 on
-        that host, whichever the direction), times what ``current`` holds.
+        The new instances warm up while the old ones serve, and the cores
+        stay shared until the old ones have served what they hold, so a
+        switch lasts at least what ``current``'s instances hold
+        (:attr:`drain_s`), whatever the last switch took. The policy read
+        the last one alone. On the Zen 4 host (the ResNet-50 trace's 80
+        switches of 12-05 and 12-06) the 28 moves from B=32 (two 1-thread
+        instances, 1.9 s a sub-batch) over-subscribed 0.2-6.6 s, a median
+        of 2.6 s, and the 13 moves up from idle 0.1-0.3 s; a move down
+        right after that move up was priced at a tenth of its length, and
+        its payback (:meth:`payback_s`) at a hundredth of a second. Over the
+        29 moves down that followed another switch, the last switch's
+        seconds were a median 0.36x the move's own (median error a factor
+        of 3.0), the larger of it and the drain 0.96x (a factor of 1.7).
         Where what B holds is unknown: the last switch's seconds.
         """
         if not self.switch_s:
             return 0.0
-        held = self.hold_s(current) if self.hold_s is not None else None
-        if not held or not self._switch_per_hold:
-            return self.switch_s
-        return statistics.median(self._switch_per_hold) * held
+        drain = self.drain_s(current) if self.drain_s is not None else None
+        return max(self.switch_s, drain or 0.0)
 
     def needs_switch(self, current: int, target: int) -> bool:
         """Whether the plans say going from ``current`` to ``target`` takes new processes (False: unknown)."""

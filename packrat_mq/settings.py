@@ -118,8 +118,9 @@ class Settings(BaseSettings):
     )
     estimator_switch_factor: float = Field(
         default=2.0, ge=0,
-        description="A move down that needs new processes (active-passive) waits this many times the last such "
-                    "change's over-subscribed seconds beyond its timeout: it must be worth the switch.",
+        description="A move down that needs new processes (active-passive) waits this many times the seconds its "
+                    "switch is expected to over-subscribe the cores (the last such change's, or what the current "
+                    "B's instances hold under load, if longer) beyond its timeout: it must be worth the switch.",
     )
     estimator_switch_gain: float = Field(
         default=0.1, ge=0,

@@ -57,3 +57,22 @@ def test_the_trace_mode_answers_every_request_once_and_counts_the_switches(tmp_p
                               "--json-out", str(out)]) == 0
     assert "static-32" in capsys.readouterr().out
     assert set(json.loads(out.read_text())["setups"]) == {"adaptive", "adaptive+nopayback+oneratio", "static-32"}
+
+
+def test_a_drained_switch_lasts_what_the_old_instances_held_and_a_moving_host_slows_static_b() -> None:
+    """``drain``: a switch lasts its warm-up plus what the old instances held, slowed to ``keep``; the policy
+    reads each switch's own length. ``motion``: the host's slow spells make every batch longer."""
+    from benchmarks.bench_adaptive import capacities, trace
+    from dispatcher.adaptive import PlannedCapacity
+
+    phases, _ = trace(capacities("profiled", 16, PROFILE, "eager", 1.0), 1.0)
+    plans = PlannedCapacity("profiled", PROFILE, timeout_ms=50.0)
+    plans.budgets = {"node": 16}
+    fixed = bench_policy.simulate_trace(phases, plans=plans, setup="adaptive", seed=0, switch_s=0.1)
+    drained = bench_policy.simulate_trace(phases, plans=plans, setup="adaptive", seed=0, switch_s=0.1, drain=True)
+    assert len(drained.requests) == len(fixed.requests), "every request answered once either way"
+    assert any(kind == "active-passive" for _, _, _, kind, _ in drained.changes)
+    steady = bench_policy.simulate_trace(phases, plans=plans, setup="static-32", seed=0)
+    slowed = bench_policy.simulate_trace(phases, plans=plans, setup="static-32", seed=0, motion=(1.5, 2.0))
+    assert len(slowed.requests) == len(steady.requests)
+    assert slowed.mean_ms() > steady.mean_ms()  # type: ignore[operator]
