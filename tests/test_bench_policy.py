@@ -76,3 +76,30 @@ def test_a_drained_switch_lasts_what_the_old_instances_held_and_a_moving_host_sl
     slowed = bench_policy.simulate_trace(phases, plans=plans, setup="static-32", seed=0, motion=(1.5, 2.0))
     assert len(slowed.requests) == len(steady.requests)
     assert slowed.mean_ms() > steady.mean_ms()  # type: ignore[operator]
+
+
+def test_switch_costs_reads_the_moves_down_that_followed_a_switch(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """benchmarks/switch_costs.py: each move down after another switch, its length against each estimate."""
+    from benchmarks import switch_costs
+    from optimizer.planning.profile import Profile, ProfileEntry
+
+    assert switch_costs.batch_of("2*1x16") == 32 and switch_costs.batch_of("2x8") == 8
+    assert switch_costs.batch_of("nonsense") is None
+    points = {(1, 1): 100.0, (1, 2): 190.0, (1, 4): 380.0, (2, 1): 60.0, (2, 2): 120.0, (2, 4): 240.0,
+              (2, 8): 480.0, (1, 8): 760.0}
+    profile = Profile(model="tiny", entries=tuple(ProfileEntry(threads=t, batch=b, mean_ms=ms)
+                                                  for (t, b), ms in points.items())).save(tmp_path / "tiny.json")
+    changes = [{"kind": "active-passive", "from": "2x1", "to": "2*1x2", "oversubscribed_s": 0.1},
+               {"kind": "reshare", "from": "2*1x2", "to": "2*1x1", "oversubscribed_s": 0.0},
+               {"kind": "active-passive", "from": "2*1x2", "to": "2x1", "oversubscribed_s": 0.5}]
+    result = {"model": "tiny", "profile": str(profile), "threads": 2, "host_over_profile": {"1": 1.0},
+              "setups": {"adaptive": {"reconfigurations": changes}}}
+    rows = switch_costs.estimates(result)
+    assert len(rows) == 1 and rows[0]["from"] == 4 and rows[0]["to"] == 1 and rows[0]["first"]
+    assert rows[0]["last"] == 0.1 and rows[0]["drain"] > 0.1 and rows[0]["now"] == rows[0]["drain"]
+    table = switch_costs.summary(rows)
+    assert table["last"]["median_ratio"] == 0.1 / 0.5
+    out = tmp_path / "r.json"
+    out.write_text(json.dumps(result))
+    assert switch_costs.main([str(out)]) == 0
+    assert "| now | 1 |" in capsys.readouterr().out
