@@ -214,9 +214,10 @@ def simulate_trace(phases: list[Any], *, plans: PlannedCapacity, setup: str, see
         if host or motion:
             layout = plans.layout(batch) or {}
             threads = max((t for ts in layout.values() for t in ts), default=1)
-            plans.ratios = {"node": (host or {}).get(threads, 1.0) * drift}
+            ratio = (host or {}).get(threads, 1.0) * drift
+            plans.ratios = {"node": ratio}
             if by_threads:  # as the supervisor keeps each thread count's last measure
-                seen[threads] = (host or {}).get(threads, 1.0) * drift
+                seen[threads] = ratio
                 plans.thread_ratios = {"node": dict(seen)}
         return true_servers(plans, batch, host)
 

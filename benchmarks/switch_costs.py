@@ -25,17 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from dispatcher.adaptive import PlannedCapacity
+from optimizer.planning.profile import Profile
 
 ESTIMATES = ("last", "drain", "now")
-
-
-def batch_of(layout: str) -> int | None:
-    """The model-wide B of a compact layout (``2x8``: one 2-thread instance of 8; ``2*1x16``: two of 16)."""
-    try:
-        count, _, rest = layout.rpartition("*")
-        return (int(count) if count else 1) * int(rest.split("x")[1])
-    except (IndexError, ValueError):
-        return None
 
 
 def estimates(result: dict[str, Any], root: Path = Path(".")) -> list[dict[str, Any]]:
@@ -47,8 +39,7 @@ def estimates(result: dict[str, Any], root: Path = Path(".")) -> list[dict[str, 
     if not path.exists():  # a result written on another checkout: the same profile under this one
         parts = path.parts
         path = root / Path(*parts[parts.index("profiles"):]) if "profiles" in parts else path
-    plans = PlannedCapacity(result["model"], str(path), "torchscript" if "torchscript" in path.name else "eager",
-                            timeout_ms=50.0)
+    plans = PlannedCapacity(result["model"], str(path), Profile.load(path).mode, timeout_ms=50.0)
     plans.budgets = {"node": int(result.get("threads") or 1)}
     plans.thread_ratios = {"node": {int(t): float(r) for t, r in (result.get("host_over_profile") or {}).items()}}
     rows = []
@@ -58,9 +49,10 @@ def estimates(result: dict[str, Any], root: Path = Path(".")) -> list[dict[str, 
         for change in setup.get("reconfigurations", []):
             if change.get("kind") != "active-passive":
                 continue
-            left, to = batch_of(change.get("from", "")), batch_of(change.get("to", ""))
+            # The history's B on the node (one node here: the model's B).
+            left, to = change.get("from_batch"), change.get("to_batch")
             took = float(change.get("oversubscribed_s") or 0.0)
-            if left is None or to is None:
+            if not isinstance(left, int) or not isinstance(to, int):
                 continue
             if last is not None and to < left and took > 0:
                 drain = plans.drain_s(left) or 0.0

@@ -98,17 +98,26 @@ class PlannedCapacity:
         self._cache: dict[tuple[Any, ...], dict[str, tuple[int, Configuration]] | None] = {}
         #: What each B's capacity was the last time, for the budgets, ratios and mode of ``_values_for``.
         self._values: dict[int, float | None] = {}
+        #: What each B's instances drain in (:meth:`drain_s`), kept as ``_values`` are.
+        self._drains: dict[int, float | None] = {}
         self._values_for: tuple[Any, ...] = ()
 
-    def __call__(self, batch: int) -> float | None:
-        # The estimator asks several times per sample, 200 samples a second: the answers are kept
-        # while the budgets, ratios and mode are the same objects (each is replaced, never changed
-        # in place, when it changes).
+    def _current(self) -> None:
+        """Forget the kept answers once the budgets, ratios or mode are other objects.
+
+        The estimator asks several times per sample, 200 samples a second: the
+        answers are kept while they are the same objects (each is replaced,
+        never changed in place, when it changes).
+        """
         seen = self._values_for
         if (not seen or seen[0] is not self.budgets or seen[1] is not self.ratios or seen[2] != self.mode
                 or seen[3] is not self.thread_ratios):
             # The objects themselves are kept (not their ids, which a new dict may reuse).
-            self._values, self._values_for = {}, (self.budgets, self.ratios, self.mode, self.thread_ratios)
+            self._values, self._drains = {}, {}
+            self._values_for = (self.budgets, self.ratios, self.mode, self.thread_ratios)
+
+    def __call__(self, batch: int) -> float | None:
+        self._current()
         if batch not in self._values:
             self._values[batch] = self._capacity(batch)
         return self._values[batch]
@@ -176,11 +185,14 @@ class PlannedCapacity:
     def drain_s(self, batch: int) -> float | None:
         """Seconds B's instances are expected to take, under load, to serve what they hold: half the sub-batch
         running and the ``max_waiting`` queued behind it, full, of the slowest (None where unknown). An
-        active-passive switch away from B lasts at least that (``Policy.switch_cost_s``)."""
-        servers = self.servers(batch)
-        if not servers:
-            return None
-        return (0.5 + self.max_waiting) * max(s.latency_ms(s.share) for s in servers) / 1000.0
+        active-passive switch away from B lasts at least that (``Policy.switch_cost_s``). Kept as the
+        capacities are: the policy asks on every sample that looks at a move down."""
+        self._current()
+        if batch not in self._drains:
+            servers = self.servers(batch)
+            self._drains[batch] = ((0.5 + self.max_waiting) * max(s.latency_ms(s.share) for s in servers) / 1000.0
+                                   if servers else None)
+        return self._drains[batch]
 
     def _estimate(self) -> tuple[LatencyFn, Callable[[int], float]] | None:
         """The profile's latency of (threads, k) and its serving path's cost of k (ms), for the mode served."""

@@ -1125,8 +1125,8 @@ class Policy:
         ``capacity`` given (and ``switch_payback``), the wait is at least
         :meth:`payback_s`.
         """
-        cost = self.switch_cost_s(current)
-        if not cost or not self.needs_switch(current, target):
+        cost = self.switch_cost_s(current) if self.needs_switch(current, target) else 0.0
+        if not cost:
             self._payback = None
             return 0.0
         wait = self.settings.switch_factor * cost

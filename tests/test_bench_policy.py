@@ -83,15 +83,14 @@ def test_switch_costs_reads_the_moves_down_that_followed_a_switch(tmp_path: Path
     from benchmarks import switch_costs
     from optimizer.planning.profile import Profile, ProfileEntry
 
-    assert switch_costs.batch_of("2*1x16") == 32 and switch_costs.batch_of("2x8") == 8
-    assert switch_costs.batch_of("nonsense") is None
     points = {(1, 1): 100.0, (1, 2): 190.0, (1, 4): 380.0, (2, 1): 60.0, (2, 2): 120.0, (2, 4): 240.0,
               (2, 8): 480.0, (1, 8): 760.0}
     profile = Profile(model="tiny", entries=tuple(ProfileEntry(threads=t, batch=b, mean_ms=ms)
                                                   for (t, b), ms in points.items())).save(tmp_path / "tiny.json")
-    changes = [{"kind": "active-passive", "from": "2x1", "to": "2*1x2", "oversubscribed_s": 0.1},
-               {"kind": "reshare", "from": "2*1x2", "to": "2*1x1", "oversubscribed_s": 0.0},
-               {"kind": "active-passive", "from": "2*1x2", "to": "2x1", "oversubscribed_s": 0.5}]
+    changes = [{"kind": "active-passive", "from_batch": 1, "to_batch": 4, "oversubscribed_s": 0.1},
+               {"kind": "reshare", "from_batch": 4, "to_batch": 2, "oversubscribed_s": 0.0},
+               {"kind": "active-passive", "from_batch": 4, "to_batch": 1, "oversubscribed_s": 0.5},
+               {"kind": "active-passive", "oversubscribed_s": 9.0}]  # no B recorded: not read
     result = {"model": "tiny", "profile": str(profile), "threads": 2, "host_over_profile": {"1": 1.0},
               "setups": {"adaptive": {"reconfigurations": changes}}}
     rows = switch_costs.estimates(result)
