@@ -107,8 +107,14 @@ def capacities(model: str, threads: int, profile: str | None, graph: str, scale:
     return caps
 
 
-def host_ratio(model: str, threads: int, profile: str | None, graph: str, rounds: int = 7) -> dict[int, float]:
-    """This host's time over the profile's by thread count: (T, 1) alone and (1, 2) filling the cores, timed now.
+#: The batch sizes :func:`host_ratio` times at each thread count, where the profile has them.
+PROBE_BATCHES = (1, 2, 4)
+
+
+def host_ratio(model: str, threads: int, profile: str | None, graph: str, rounds: int = 7,
+               batches: tuple[int, ...] = PROBE_BATCHES) -> dict[int, float]:
+    """This host's time over the profile's by thread count, timed now: (T, b) alone and (1, b) filling
+    the cores, the median ratio over ``batches``.
 
     The trace's rates come from the profile; a host that serves 1.6x slower
     than when it was profiled (this shared VM, within hours) runs every phase
@@ -119,6 +125,13 @@ def host_ratio(model: str, threads: int, profile: str | None, graph: str, rounds
     in one run here), timed the way the profiler times a point (the same
     child processes, copies started together, the slowest copy's median of
     ``rounds`` after two warm-up rounds).
+
+    Several batch sizes, not one: a ratio read from one point is as noisy as
+    that point of the profile. The probe timed (T, 1) and (1, 2) alone until
+    2026-12-07; on the Zen 3 host the 1-thread ratio read 0.99-1.41x over
+    four runs within 45 minutes, and the profile's own (1, 2) was an outlier (142
+    ms an image against 120-125 for its neighbours), so every rate of the
+    trace moved with one point.
     """
     from optimizer.profiling.child import ProfilingGroup
     from optimizer.profiling.options import ProfilingOptions
@@ -129,19 +142,25 @@ def host_ratio(model: str, threads: int, profile: str | None, graph: str, rounds
     topology = Topology.detect()
     options = ProfilingOptions(model=model, graph=graph)
     ratios: dict[int, float] = {}
-    for t, b, copies in ((threads, 1, 1), (1, 2, threads)):
-        profiled = loaded.entry(t, b)
-        if profiled is None:
+    for t in sorted({threads, 1}, reverse=True):
+        copies = threads // t
+        points = [(b, entry) for b in batches if (entry := loaded.entry(t, b)) is not None]
+        if not points:
             continue
-        group = ProfilingGroup(options, allocate(topology, Configuration.uniform(copies, t, b)))
+        group = ProfilingGroup(options, allocate(topology, Configuration.uniform(copies, t, points[0][0])))
+        by_batch: dict[int, float] = {}
         try:
             group.start()
-            group.prepare(b)
-            times = [group.run() for _ in range(rounds + 2)][2:]
+            for b, profiled in points:
+                group.prepare(b)
+                times = [group.run() for _ in range(rounds + 2)][2:]
+                by_batch[b] = statistics.median(times) / profiled.mean_ms
         finally:
             group.kill()
             group.close()
-        ratios[t] = statistics.median(times) / profiled.mean_ms
+        ratios[t] = statistics.median(by_batch.values())
+        print(f"host / profile, {copies} x {t}-thread: "
+              + ", ".join(f"b={b} {r:.2f}x" for b, r in by_batch.items()) + f"; median {ratios[t]:.2f}x", flush=True)
     return ratios
 
 
@@ -769,7 +788,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("--rate-scale auto times a real model; the profiled model sleeps as its profile says")
         measured = host_ratio(args.model, args.threads, profile, args.graph)
         if not measured:
-            raise SystemExit("--rate-scale auto: the profile has neither (T, 1) nor (1, 2)")
+            raise SystemExit(f"--rate-scale auto: the profile has no (T, b) or (1, b) for b in {PROBE_BATCHES}")
         print("host / profile: " + ", ".join(f"{t}-thread instances {v:.2f}x" for t, v in measured.items()),
               flush=True)
         args.rate_scale = 1.0

@@ -22,6 +22,7 @@ import logging
 import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,10 @@ QUIET_SLOWDOWN = 10
 STEADY_SLOWDOWN = 8
 #: The rates :meth:`PlannedCapacity.latency` simulates are powers of this (steps of 2.5%).
 RATE_STEP = 1.025
+#: A node whose loaded spares rose within this many seconds is loading them (``PlannedCapacity.awaiting_spares``):
+#: its supervisor loads one at a time, about a second each on simulated cores, a few seconds for a real model
+#: (and not while the machine is busy); a count that has not risen for longer is not waited for.
+SPARES_RISING_S = 15.0
 #: How many simulated latencies :class:`PlannedCapacity` keeps before it starts again.
 LATENCIES_KEPT = 4096
 
@@ -101,6 +106,10 @@ class PlannedCapacity:
         #: What each B's instances drain in (:meth:`drain_s`), kept as ``_values`` are.
         self._drains: dict[int, float | None] = {}
         self._values_for: tuple[Any, ...] = ()
+        #: Per node, (spares loaded, spares it keeps) as its supervisor last said (:meth:`observe_spares`).
+        self.spares: dict[str, tuple[int, int]] = {}
+        #: Per node, when its loaded count last rose (the caller's clock): it is loading spares.
+        self._spares_rose_at: dict[str, float] = {}
 
     def _current(self) -> None:
         """Forget the kept answers once the budgets, ratios or mode are other objects.
@@ -236,6 +245,55 @@ class PlannedCapacity:
             return False
         return any(la.get(node) != lb.get(node) for node in set(la) | set(lb))
 
+    def observe_spares(self, spares: dict[str, tuple[int, int]], now: float) -> None:
+        """What each node's supervisor says of its spares, ``node -> (loaded, kept)``, read at ``now``."""
+        for node, (loaded, _) in spares.items():
+            before = self.spares.get(node)
+            if before is not None and loaded > before[0]:
+                self._spares_rose_at[node] = now
+        self.spares = spares
+
+    def starts(self, a: int, b: int) -> dict[str, int] | None:
+        """Per node, how many processes going from B=``a``'s plan to B=``b``'s starts (None where unknown).
+
+        As the supervisor matches them (``workers.reconfiguration.plan_change``): an instance whose thread
+        count the new plan still has is kept, the new plan's others are started.
+        """
+        before, after = self._plans(a), self._plans(b)
+        if before is None or after is None:
+            return None
+        out = {}
+        for node, (_, configuration) in after.items():
+            have = Counter(i.threads for i in before[node][1].instances) if node in before else Counter()
+            want = Counter(i.threads for i in configuration.instances)
+            out[node] = sum((want - have).values())
+        return out
+
+    def awaiting_spares(self, a: int, b: int, now: float) -> bool:
+        """Whether going from B=``a`` to B=``b`` would start more processes on some node than it has spares
+        loaded, while it is loading more (its count rose within ``SPARES_RISING_S`` of ``now``).
+
+        A spare is rebound in a tenth of a second; a process started loads
+        its model beside the instances that serve. On 64 simulated cores (two
+        real ones, 12-07) a move up from B=4 to B=32 took all 32 spares, the
+        supervisor loads them again one at a time (about 0.9 s each), and the
+        move down to B=16 five seconds later found 5 of the 16 it needed: the
+        other 11 started together, the change took 3.7 s instead of 0.1, and
+        the backlog it left took B back up. Where no spare is coming (the
+        memory or the machine's CPU use holds them back, or the node keeps
+        as many as it will), nothing is waited for: the switch is priced as
+        before (``Policy.switch_cost_s``).
+        """
+        starts = self.starts(a, b)
+        if not starts:
+            return False
+        for node, needed in starts.items():
+            loaded, kept = self.spares.get(node, (0, 0))
+            rose = self._spares_rose_at.get(node)
+            if needed > loaded and loaded < kept and rose is not None and now - rose <= SPARES_RISING_S:
+                return True
+        return False
+
     def _plans(self, batch: int) -> dict[str, tuple[int, Configuration]] | None:
         """Each node's share of B=``batch`` and the plan its supervisor would make for it; None if any has none.
 
@@ -317,6 +375,8 @@ class Adaptive:
         self.policy.latency = getattr(capacity, "latency", None)
         # What each B's instances hold: a switch away from B lasts until they have served it.
         self.policy.drain_s = getattr(capacity, "drain_s", None)
+        # Which moves would start processes while the spares they could rebind are loading: those wait.
+        self.policy.awaiting_spares = getattr(capacity, "awaiting_spares", None)
         #: Since a change took effect, until its history entry is read (monotonic; None: nothing to read).
         self._history_due: float | None = None
         #: When that change took effect (the reads stop a minute after it).

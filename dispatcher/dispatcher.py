@@ -152,8 +152,29 @@ class Dispatcher:
         pipe.sadd(self.keys.models(), self.model)
         pipe.execute()
         self._last_beat = now
+        if self.capacity.budgets and self.adaptive.adaptive:
+            self._read_spares()
         if now - self._ratios_read_at >= RATIOS_EVERY_S and self.capacity.budgets:
             self._read_ratios(now)
+
+    def _read_spares(self) -> None:
+        """How many spares each node's supervisor has loaded and keeps: a move down that would start processes
+        waits for the spares being loaded (``PlannedCapacity.awaiting_spares``).
+
+        Every heartbeat (they load about one a second on simulated cores), one read per node, off the request
+        path; only while adaptive.
+        """
+        nodes = list(self.capacity.budgets)
+        pipe = self.r.pipeline(transaction=False)
+        for node in nodes:
+            pipe.hmget(self.keys.supervisor(self.model, node), "spares", "spares_wanted")
+        spares = {}
+        for node, (loaded, wanted) in zip(nodes, pipe.execute()):
+            try:
+                spares[node] = (int(loaded or 0), int(wanted or 0))
+            except ValueError:
+                continue  # an unreadable record says nothing of its spares
+        self.capacity.observe_spares(spares, self.adaptive.clock())
 
     def _read_ratios(self, now: float) -> None:
         """What each node's supervisor measured of serving against the profile: the capacities follow it.

@@ -656,3 +656,30 @@ def test_the_dispatcher_reads_what_its_supervisors_measured_of_the_profile(r: re
     d._last_beat = d._ratios_read_at = 0.0
     d.heartbeat()
     assert d.capacity.thread_ratios == {node: {1: 0.72, 2: 0.86}}
+
+
+def test_an_adaptive_dispatcher_reads_its_supervisors_spares_at_every_heartbeat(r: redis.Redis,
+                                                                                settings: Settings) -> None:
+    """What each node has loaded and keeps reaches the estimator (a move down waits for spares loading)."""
+    deploy(r, settings, [(1, 2)])
+    d = make_dispatcher(r, settings)
+    node = "n1"
+    d.capacity.budgets = {node: 2}
+    d.adaptive.adaptive = True
+    r.hset(settings.keys.supervisor(MODEL, node), mapping={"spares": "1", "spares_wanted": "2"})
+    d._last_beat = 0.0
+    d.heartbeat()
+    assert d.capacity.spares == {node: (1, 2)}
+    r.hset(settings.keys.supervisor(MODEL, node), "spares", "2")
+    d._last_beat = 0.0
+    d.heartbeat()
+    assert d.capacity.spares == {node: (2, 2)} and node in d.capacity._spares_rose_at
+    r.hset(settings.keys.supervisor(MODEL, node), "spares", "junk")
+    d._last_beat = 0.0
+    d.heartbeat()
+    assert d.capacity.spares == {}, "an unreadable count is no count"
+    d.adaptive.adaptive = False  # a pinned deployment waits for nothing: nothing is read
+    r.hset(settings.keys.supervisor(MODEL, node), "spares", "1")
+    d._last_beat = 0.0
+    d.heartbeat()
+    assert d.capacity.spares == {}

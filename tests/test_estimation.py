@@ -10,7 +10,7 @@ import pytest
 
 import fakeredis
 
-from dispatcher.adaptive import Adaptive, PlannedCapacity
+from dispatcher.adaptive import SPARES_RISING_S, Adaptive, PlannedCapacity
 from dispatcher.estimation import Decision, Estimator, EstimatorSettings, Policy, floor_pow2
 from packrat_mq.settings import Settings
 
@@ -1447,3 +1447,77 @@ def test_a_loss_measured_discounts_the_plans_of_as_many_threads_or_more() -> Non
     assert served(16) == 17.4 and served(32) == 17.8
     assert served(4) == pytest.approx(18.3 * 23.0 / 28.1)
 
+
+
+# --- a move down waits for the spares being loaded --------------------------------------
+def test_planned_starts_count_the_processes_a_change_starts_and_spares_loading_are_waited_for(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """64 simulated cores (12-07): B 4 -> 32 took all 32 spares; 32 -> 16 five seconds later found 5 of the 16
+    it needed loaded, started 11 and over-subscribed 3.7 s. A move that would start more processes than are
+    loaded waits while the node is loading more; where none is coming, nothing is waited for."""
+    from optimizer.planning.profile import Profile, ProfileEntry
+
+    points = {(1, 1): 100.0, (1, 2): 190.0, (1, 4): 380.0, (2, 1): 60.0, (2, 2): 120.0, (2, 4): 240.0,
+              (2, 8): 480.0, (1, 8): 760.0}
+    path = Profile(model="tiny", entries=tuple(ProfileEntry(threads=t, batch=b, mean_ms=ms)
+                                               for (t, b), ms in points.items())).save(tmp_path / "p.json")
+    cap = PlannedCapacity("tiny", str(path))
+    assert cap.starts(4, 1) is None and not cap.awaiting_spares(4, 1, 0.0)  # no budgets: unknown
+    cap.budgets = {"n1": 2}
+    assert cap.starts(4, 1) == {"n1": 1}  # one 2-thread instance for two 1-thread ones
+    assert cap.starts(1, 4) == {"n1": 2}
+    assert cap.starts(4, 2) == {"n1": 0}  # a reshare of the same two instances
+    cap.observe_spares({"n1": (0, 2)}, 0.0)
+    assert not cap.awaiting_spares(4, 1, 1.0), "none loaded, none seen loading: nothing is coming"
+    cap.observe_spares({"n1": (1, 2)}, 2.0)  # one loaded since: loading
+    assert not cap.awaiting_spares(4, 1, 3.0), "the one it needs is loaded"
+    assert cap.awaiting_spares(1, 4, 3.0), "two needed, one loaded, more coming"
+    assert not cap.awaiting_spares(1, 4, 2.0 + SPARES_RISING_S + 0.1), "no more for long: not waited for"
+    cap.observe_spares({"n1": (2, 2)}, 4.0)
+    assert not cap.awaiting_spares(1, 4, 5.0), "as many as it keeps"
+    cap.observe_spares({"n1": (0, 2)}, 6.0)  # taken by a change: loaded again from there on
+    assert cap.awaiting_spares(1, 4, 6.5)
+    assert not cap.awaiting_spares(1, 4, 4.0 + SPARES_RISING_S + 0.1), "none since: not waited for"
+
+
+def test_a_move_down_that_would_start_processes_waits_while_spares_load_unless_b_is_short() -> None:
+    spares_loading = {"value": True}
+    policy = Policy(needs_processes=lambda a, b: (a == 32) != (b == 32))
+    policy.awaiting_spares = lambda a, b, now: spares_loading["value"]
+    caps = {8: 300.0, 16: 450.0, 32: 540.0}
+    t = dispatch_at(policy, 0.0, 6.0, 250.0, 32, False)
+    assert policy.spares_due(t, 32, 16, caps.get), "B=32 carries 250/s: the move waits"
+    assert not policy.spares_due(t, 16, 8, caps.get), "a reshare starts nothing"
+    spares_loading["value"] = False
+    assert not policy.spares_due(t, 32, 16, caps.get)
+    spares_loading["value"] = True
+    short = Policy(needs_processes=policy.needs_processes)
+    short.awaiting_spares = policy.awaiting_spares
+    t = dispatch_at(short, 0.0, 6.0, 500.0, 32, False)
+    assert not short.spares_due(t, 32, 16, caps.get), "B=32 near its capacity: staying builds a backlog too"
+    assert not Policy().spares_due(t, 32, 16, caps.get), "unknown: never waited for"
+
+
+def test_the_decision_to_move_down_comes_once_the_spares_have_loaded() -> None:
+    loading_until = 3.0
+    policy = Policy(needs_processes=lambda a, b: (a == 32) != (b == 32))
+    policy.awaiting_spares = lambda a, b, now: now < loading_until
+    caps = {8: 300.0, 16: 450.0, 32: 540.0}
+    t = dispatch_at(policy, 0.0, 6.0, 250.0, 32, False)
+    policy.changed(t - 5.0, 8, 32)
+    decided = None
+    start = t
+    loading_until = start + 3.0
+    for _ in range(2000):
+        t += 0.005
+        d = policy.decide(t, 32, 16, 20.0, capacity=caps.get)
+        if d is not None:
+            decided = t
+            break
+    assert decided is not None and decided >= loading_until
+    assert decided - loading_until < 0.05, "the estimate held meanwhile: the move comes as soon as they have"
+
+
+def test_the_sampler_gives_the_policy_the_spares_check() -> None:
+    cap = PlannedCapacity("m", None)
+    a = Adaptive(fakeredis.FakeRedis(), Settings(), "m", capacity=cap)
+    assert a.policy.awaiting_spares == cap.awaiting_spares
