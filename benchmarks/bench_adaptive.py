@@ -385,14 +385,14 @@ class Monitor(threading.Thread):
         self.history: dict[float, dict[str, Any]] = {}
         self.stop_event = threading.Event()
         self.ratio: float | None = None
+        self.spares: int | None = None
 
-    def node_ratio(self, d: DispatcherState | None) -> float | None:
-        """The first node's served / profiled latency (its supervisor's drift check), if measured."""
+    def node_record(self, d: DispatcherState | None) -> SupervisorState | None:
+        """The first node's supervisor record: its served / profiled latency (drift check) and spares loaded."""
         if d is None or not d.nodes:
             return None
         node = d.nodes[0].split("=", 1)[0]
-        rec = SupervisorState.load(self.r, self.keys.supervisor(self.model, node))
-        return rec.profile_ratio if rec is not None else None
+        return SupervisorState.load(self.r, self.keys.supervisor(self.model, node))
 
     def collect_history(self) -> None:
         for raw in self.r.lrange(self.keys.reconfigurations(self.model), 0, -1):
@@ -408,13 +408,16 @@ class Monitor(threading.Thread):
                 k += 1
                 if k % 10 == 0:
                     self.collect_history()
-                    # What the estimator's capacities are corrected by (served / profiled), once a second.
-                    self.ratio = self.node_ratio(d)
+                    # What the estimator's capacities are corrected by (served / profiled), and the spares
+                    # loaded (a spare loading takes a core from the path), once a second.
+                    rec = self.node_record(d)
+                    self.ratio = rec.profile_ratio if rec is not None else None
+                    self.spares = rec.spares if rec is not None else None
             except Exception:  # noqa: BLE001 - a missed sample is a gap in the plot
                 continue
             self.samples.append({"at": time.time(), "batch": d.batch if d else None,
                                  "q_tilde": d.q_tilde if d else None, "b_tilde": d.b_tilde if d else None,
-                                 "length": length, "profile_ratio": self.ratio})
+                                 "length": length, "profile_ratio": self.ratio, "spares": self.spares})
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -589,7 +592,7 @@ def analyse(name: str, driver: Driver, samples: list[dict[str, Any]], history: l
         "mean_ms": statistics.fmean(all_ms) if all_ms else None,
         "p50_ms": percentile(all_ms, 50), "p99_ms": percentile(all_ms, 99),
         "phases": by_phase, "reconfigurations": switches,
-        "timeline": [{"t": round(s["at"] - driver.t0, 2), **{k: s.get(k) for k in ("batch", "q_tilde", "length", "profile_ratio")}}
+        "timeline": [{"t": round(s["at"] - driver.t0, 2), **{k: s.get(k) for k in ("batch", "q_tilde", "length", "profile_ratio", "spares")}}
                      for s in samples],
         "latencies": [(round(x[0] - driver.t0, 3), round(x[1], 2)) for x in latencies],
         "inference_ms_by_batch": {k: {"replies": len(v), "p50_ms": percentile(v, 50)} for k, v in sorted(by_batch.items())},
@@ -715,6 +718,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
         tl = a["timeline"]
         ax2.step([x["t"] for x in tl], [x["batch"] or 0 for x in tl], where="post", label="B (adaptive)")
         ax2.plot([x["t"] for x in tl], [x["q_tilde"] or 0 for x in tl], lw=0.8, label="Q̃")
+        if any(x.get("spares") is not None for x in tl):  # runs before 12-07 did not record them
+            ax2.step([x["t"] for x in tl], [x.get("spares") or 0 for x in tl], where="post", lw=0.6, ls=":",
+                     label="spares loaded")
         ax2.set_yscale("symlog", linthresh=1, base=2)
         top = max([x["batch"] or 0 for x in tl] + [x["q_tilde"] or 0 for x in tl] + [1])
         ticks = [0] + [1 << k for k in range(int(top).bit_length() + 1)]

@@ -441,9 +441,14 @@ def test_a_dead_retiree_does_not_stop_the_next_from_being_kept_as_a_spare(
     sup.spares = []  # fakes: nothing for the fixture to stop
 
 
+@pytest.mark.parametrize("simulated", [False, True], ids=["real", "simulated"])
 def test_a_spare_is_prestarted_only_while_the_machine_is_quiet(
-        make: MakeSupervisor, monkeypatch: pytest.MonkeyPatch) -> None:
-    sup = make("sleep", "1x1", settings_update={"spare_instances": 1, "prewarm_spares": True})
+        make: MakeSupervisor, monkeypatch: pytest.MonkeyPatch, simulated: bool) -> None:
+    """On a simulated topology too: its cores are labels, but a process starting takes the real ones from the
+    dispatcher, Redis and the instances' path (64 simulated cores on two real ones, 12-07)."""
+    sup = make("sleep", "1x1", settings_update={"spare_instances": 1, "prewarm_spares": True},
+               **({"topology": Topology.synthetic(16)} if simulated else {}))
+    assert sup.topology.simulated == simulated
     started: list[str] = []
     monkeypatch.setattr(sup, "_start_instance", lambda inst: started.append(inst.record.id))
     monkeypatch.setattr(sup, "_room_for_spare", lambda: True)
