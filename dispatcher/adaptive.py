@@ -22,7 +22,6 @@ import logging
 import math
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +35,7 @@ from optimizer.planning.profile import Profile
 from optimizer.planning.selection import choose, find_profile
 from packrat_mq import control
 from packrat_mq.deployment import node_share
-from packrat_mq.instances import Configuration
+from packrat_mq.instances import Configuration, plan_change
 from packrat_mq.settings import Settings
 
 log = logging.getLogger("packrat_mq.dispatcher.adaptive")
@@ -254,19 +253,15 @@ class PlannedCapacity:
         self.spares = spares
 
     def starts(self, a: int, b: int) -> dict[str, int] | None:
-        """Per node, how many processes going from B=``a``'s plan to B=``b``'s starts (None where unknown).
-
-        As the supervisor matches them (``workers.reconfiguration.plan_change``): an instance whose thread
-        count the new plan still has is kept, the new plan's others are started.
-        """
+        """Per node, how many processes going from B=``a``'s plan to B=``b``'s starts (None where unknown),
+        matched as the supervisor matches them (:func:`packrat_mq.instances.plan_change`)."""
         before, after = self._plans(a), self._plans(b)
         if before is None or after is None:
             return None
         out = {}
         for node, (_, configuration) in after.items():
-            have = Counter(i.threads for i in before[node][1].instances) if node in before else Counter()
-            want = Counter(i.threads for i in configuration.instances)
-            out[node] = sum((want - have).values())
+            served = [(i.threads, i.batch) for i in before[node][1].instances] if node in before else []
+            out[node] = len(plan_change(served, configuration).start)
         return out
 
     def awaiting_spares(self, a: int, b: int, now: float) -> bool:

@@ -1071,11 +1071,10 @@ class Policy:
         the rate window's: a step's first tenth of a second is a small count.
         Capacity unknown: None.
         """
-        cap = capacity(current) if capacity is not None else None
-        if not cap or not self._lengths or self._lengths[-1][1] < cap * self.settings.up_timeout_s:
+        if self._overrun(current, capacity) is None:
             self._overrun_since = None
             return None
-        at, length = self._lengths[-1]
+        at = self._lengths[-1][0]
         if self._overrun_since is None:
             self._overrun_since = at
         if at - self._overrun_since < SURGE_WINDOW_S:
@@ -1095,8 +1094,8 @@ class Policy:
         took a step to 165/s to B=16 or to 32 by chance (5 of 20 seeds to
         16, in a replay of the estimator), where 16 carries 168.5.
         """
-        cap = capacity(current) if capacity is not None else None
-        if not cap or not self._lengths or self._lengths[-1][1] < cap * self.settings.up_timeout_s:
+        cap = self._overrun(current, capacity)
+        if cap is None:
             return None
         at, length = self._lengths[-1]
         then_at, then = at, length
@@ -1111,6 +1110,14 @@ class Policy:
         if high:
             arrived += self.settings.down_confidence * math.sqrt(arrived)
         return arrived / span
+
+    def _overrun(self, current: int, capacity: Callable[[int], float | None] | None) -> float | None:
+        """``current``'s planned capacity where the stream's last length is more than it serves within the up
+        dwell (it overruns B now); None where it is not, or the capacity is unknown."""
+        cap = capacity(current) if capacity is not None else None
+        if not cap or not self._lengths or self._lengths[-1][1] < cap * self.settings.up_timeout_s:
+            return None
+        return cap
 
     def switch_cost_s(self, current: int) -> float:
         """How long a switch away from ``current`` is expected to over-subscribe the cores (seconds; 0: no

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -102,3 +103,44 @@ class Configuration(BaseModel):
     @classmethod
     def uniform(cls, count: int, threads: int, batch: int) -> Configuration:
         return cls(instances=tuple(InstanceSpec(threads=threads, batch=batch) for _ in range(count)))
+
+
+@dataclass(frozen=True)
+class ChangePlan:
+    """Indexes into the current instances and the target's instance specs."""
+
+    #: (current index, new share) for each instance kept.
+    kept: tuple[tuple[int, int], ...]
+    #: Target specs of the instances to start.
+    start: tuple[InstanceSpec, ...]
+    #: Current indexes of the instances to stop.
+    stop: tuple[int, ...]
+
+    @property
+    def kind(self) -> str:
+        if not self.start and not self.stop:
+            return "reshare"
+        if not self.start or not self.stop:
+            return "scale"
+        return "active-passive"
+
+
+def plan_change(current: list[tuple[int, int]], target: Configuration) -> ChangePlan:
+    """How to go from ``current`` instances ``(threads, batch)`` to ``target``.
+
+    Instances are matched by thread count, in order: the first current
+    instances with ``t`` threads take the target's shares for ``t`` threads.
+    """
+    free: dict[int, list[int]] = {}
+    for index, (threads, _) in enumerate(current):
+        free.setdefault(threads, []).append(index)
+    kept: list[tuple[int, int]] = []
+    start: list[InstanceSpec] = []
+    for spec in target.instances:
+        pool = free.get(spec.threads)
+        if pool:
+            kept.append((pool.pop(0), spec.batch))
+        else:
+            start.append(spec)
+    stop = sorted(i for pool in free.values() for i in pool)
+    return ChangePlan(kept=tuple(kept), start=tuple(start), stop=tuple(stop))

@@ -20,12 +20,11 @@ import redis
 
 from packrat_mq import control
 from packrat_mq.client import Client
-from packrat_mq.instances import Configuration
+from packrat_mq.instances import Configuration, plan_change
 from packrat_mq.records import DispatcherState, SupervisorState
 from packrat_mq.settings import Settings
 from packrat_mq.topology import Topology
 from tests.helpers import stop_supervisors, wait_for
-from workers.reconfiguration import plan_change
 from workers.supervisor import Supervisor
 
 pytestmark = [pytest.mark.timeout(180)]

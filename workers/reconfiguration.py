@@ -1,6 +1,6 @@
 """Reconfiguration: how a node goes from one configuration to another without losing a request.
 
-:func:`plan_change` matches the instances served now with those of the target
+:func:`packrat_mq.instances.plan_change` matches the instances served now with those of the target
 by thread count: an instance whose thread count the target still has is kept
 (its process, cores and queue stay; only its share ``b_j`` may change), the
 target's other instances are started, the old ones left over are stopped.
@@ -34,53 +34,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from packrat_mq.control import ControlMessage
-from packrat_mq.instances import Configuration, InstanceSpec
+from packrat_mq.instances import Configuration
 
 #: Phases in order; ``done`` and ``failed`` end a reconfiguration.
 PHASES = ("warming", "switching", "draining", "stopping")
 #: How many reconfigurations the history list keeps per model.
 HISTORY = 10
-
-
-@dataclass(frozen=True)
-class ChangePlan:
-    """Indexes into the current instances and the target's instance specs."""
-
-    #: (current index, new share) for each instance kept.
-    kept: tuple[tuple[int, int], ...]
-    #: Target specs of the instances to start.
-    start: tuple[InstanceSpec, ...]
-    #: Current indexes of the instances to stop.
-    stop: tuple[int, ...]
-
-    @property
-    def kind(self) -> str:
-        if not self.start and not self.stop:
-            return "reshare"
-        if not self.start or not self.stop:
-            return "scale"
-        return "active-passive"
-
-
-def plan_change(current: list[tuple[int, int]], target: Configuration) -> ChangePlan:
-    """How to go from ``current`` instances ``(threads, batch)`` to ``target``.
-
-    Instances are matched by thread count, in order: the first current
-    instances with ``t`` threads take the target's shares for ``t`` threads.
-    """
-    free: dict[int, list[int]] = {}
-    for index, (threads, _) in enumerate(current):
-        free.setdefault(threads, []).append(index)
-    kept: list[tuple[int, int]] = []
-    start: list[InstanceSpec] = []
-    for spec in target.instances:
-        pool = free.get(spec.threads)
-        if pool:
-            kept.append((pool.pop(0), spec.batch))
-        else:
-            start.append(spec)
-    stop = sorted(i for pool in free.values() for i in pool)
-    return ChangePlan(kept=tuple(kept), start=tuple(start), stop=tuple(stop))
 
 
 @dataclass

@@ -39,7 +39,7 @@ from packrat_mq.backoff import Backoff
 from packrat_mq.connection import check_cluster
 from packrat_mq.deployment import Deployment, InstanceRecord, node_share, publish_part, withdraw_part
 from packrat_mq.exposition import ModelView, read_stream
-from packrat_mq.instances import Configuration
+from packrat_mq.instances import Configuration, plan_change
 from packrat_mq.keys import DISPATCHER_GROUP, WORKER_GROUP, check_model_name, control_group
 from packrat_mq.metrics import SUPERVISOR_HISTOGRAMS, Tally, Totals
 from packrat_mq.records import DispatcherState, InstanceState, LiveRecord, SupervisorState
@@ -49,7 +49,7 @@ from packrat_mq.topology import Topology
 from workers.allocation import AllocationError, CoreAssignment, allocate
 from workers.launch import instance_env, spawn
 from workers import rebinding
-from workers.reconfiguration import HISTORY, Reconfiguration, plan_change
+from workers.reconfiguration import HISTORY, Reconfiguration
 from workers.worker import WorkerSpec
 
 log = logging.getLogger("packrat_mq.supervisor")
