@@ -235,14 +235,27 @@ class PlannedCapacity:
         return max(counts) if counts else None
 
     def needs_processes(self, a: int, b: int) -> bool:
-        """Whether going from B=``a`` to B=``b`` changes some node's instance thread counts (active-passive).
+        """Whether going from B=``a`` to B=``b`` is active-passive on some node: it both starts and stops
+        instances there (their thread counts change), matched as the supervisor matches them
+        (:func:`packrat_mq.instances.plan_change`).
 
-        Unknown plans count as no: nothing is delayed on a guess.
+        Not a comparison of the two plans' sets of thread counts: from
+        ``1x2,2x2`` to ``2x4`` those differ, but the supervisor only stops the
+        1-thread instance (a scale, nothing over-subscribed), and a change that
+        only adds instances of a new thread count starts them on free cores.
+        Only an active-passive change over-subscribes cores, which is what
+        :meth:`Policy.switch_cost_s` prices. Unknown plans count as no: nothing is delayed on a guess.
         """
-        la, lb = self.layout(a), self.layout(b)
-        if la is None or lb is None:
+        before, after = self._plans(a), self._plans(b)
+        if before is None or after is None:
             return False
-        return any(la.get(node) != lb.get(node) for node in set(la) | set(lb))
+        for node in set(before) | set(after):
+            if node not in before or node not in after:
+                continue  # a node that only gains or only loses its instances: no switch there
+            served = [(i.threads, i.batch) for i in before[node][1].instances]
+            if plan_change(served, after[node][1]).kind == "active-passive":
+                return True
+        return False
 
     def observe_spares(self, spares: dict[str, tuple[int, int]], now: float) -> None:
         """What each node's supervisor says of its spares, ``node -> (loaded, kept)``, read at ``now``."""

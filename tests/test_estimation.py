@@ -885,6 +885,22 @@ def test_planned_layouts_say_which_changes_take_new_processes(tmp_path) -> None:
     assert cap.most_threads(1) == 2 and cap.most_threads(4) == 1  # what Policy.effective discounts by
 
 
+def test_only_an_active_passive_change_counts_as_a_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``needs_processes`` matches instances as the supervisor does: differing sets of thread counts
+    are no switch where the change only stops instances, or only adds them on free cores."""
+    from dispatcher.adaptive import PlannedCapacity
+    from packrat_mq.instances import Configuration
+
+    plans = {1: "1x2,2x2", 2: "2x4", 4: "2x4,1x4", 8: "4*1x2", 16: "2x8,2x8"}
+    cap = PlannedCapacity("tiny", None)
+    monkeypatch.setattr(cap, "_plans", lambda b: {"n1": (b, Configuration.parse(plans[b]))})
+    assert not cap.needs_processes(1, 2)  # the 1-thread instance stops: a scale
+    assert not cap.needs_processes(2, 4)  # a 1-thread instance is added: a scale
+    assert cap.needs_processes(2, 8)      # the 2-thread one stops, four 1-thread ones start
+    assert not cap.needs_processes(2, 16)  # same thread count, one more instance
+    assert cap.needs_processes(8, 16)
+
+
 def test_the_sampler_reads_the_switch_cost_from_the_history() -> None:
     import json
 
