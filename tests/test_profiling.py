@@ -104,8 +104,9 @@ def test_options_validate() -> None:
 
 
 def _quick(model: str, **kw: Any) -> ProfilingOptions:
+    # No floor on a point's timed seconds unless a test asks for one: these models are steady.
     args: dict[str, Any] = dict(model=model, threads=[1], batches=[1, 2], warmup=1,
-                                min_iters=5, max_iters=40, rel_ci=0.1)
+                                min_iters=5, max_iters=40, rel_ci=0.1, min_timed_s=0.0)
     args.update(kw)
     return ProfilingOptions(**args)
 
@@ -476,12 +477,41 @@ def test_resume_refuses_other_vector_extensions(tmp_path: Path) -> None:
     assert str(refused.value).endswith("(without -o, this machine's profile goes beside it: profiles/echo.json)")
 
 
+def test_a_point_is_not_converged_before_it_has_covered_min_timed_s() -> None:
+    """Five tight samples of one quiet spell (the 12-07 BERT point) are not a converged mean: timing
+    goes on until the point has covered ``min_timed_s`` of the host, then stops as soon as it may."""
+    from optimizer.profiling.statistics import measure
+
+    now = [0.0]
+
+    def clock() -> float:
+        return now[0]
+
+    def run() -> float:
+        now[0] += 0.35  # a 350 ms batch, the same every time: converged from the first five
+        return 350.0
+
+    common = dict(warmup=0, min_iters=5, max_iters=100, rel_ci=0.02, confidence=0.95, budget_s=30.0,
+                  self_timed=True, clock=clock)
+    quick = measure(run, **common)  # type: ignore[arg-type]
+    assert quick.stop == "converged" and quick.n == 5
+    now[0] = 0.0
+    floored = measure(run, min_timed_s=3.0, **common)  # type: ignore[arg-type]
+    assert floored.stop == "converged" and floored.n == 9  # 9 x 0.35 s = 3.15 s, the first past 3 s
+    now[0] = 0.0
+    capped = measure(run, min_timed_s=3.0, **{**common, "max_iters": 6})  # type: ignore[arg-type]
+    assert capped.stop == "max_iters" and capped.n == 6  # a fast point's iterations still cap it
+    assert ProfilingOptions(model="echo").min_timed_s == 3.0
+
+
 def test_a_pass_schedule_shares_one_points_iterations_and_budget() -> None:
-    one = _quick("echo", min_iters=6, max_iters=40, rel_ci=0.05, budget_s=30.0)
+    one = _quick("echo", min_iters=6, max_iters=40, rel_ci=0.05, budget_s=30.0, min_timed_s=3.0)
     assert one.pass_schedule() == {"warmup": 1, "min_iters": 6, "max_iters": 40, "rel_ci": 0.05,
-                                   "confidence": 0.95, "budget_s": 30.0}  # one pass: as before
-    four = _quick("echo", min_iters=6, max_iters=40, rel_ci=0.05, budget_s=30.0, passes=4).pass_schedule()
+                                   "confidence": 0.95, "budget_s": 30.0, "min_timed_s": 3.0}  # one pass: as asked
+    four = _quick("echo", min_iters=6, max_iters=40, rel_ci=0.05, budget_s=30.0, min_timed_s=3.0,
+                  passes=4).pass_schedule()
     assert four["min_iters"] == 2 and four["max_iters"] == 10 and four["budget_s"] == 7.5
+    assert four["min_timed_s"] == 0.75
     assert four["rel_ci"] == pytest.approx(0.10)  # four pass means within 10% each: their mean within 5%
     with pytest.raises(ValueError):
         _quick("echo", passes=0)

@@ -119,6 +119,7 @@ def measure(
     confidence: float,
     budget_s: float,
     dominated_above_ms: float | None = None,
+    min_timed_s: float = 0.0,
     self_timed: bool = False,
     clock: Callable[[], float] = time.perf_counter,
 ) -> Measurement:
@@ -130,11 +131,20 @@ def measure(
     keeps the budget.
 
     Stops (never before ``min_iters``) when the confidence interval's half
-    width is within ``rel_ci`` of the mean (``converged``), when the lower
+    width is within ``rel_ci`` of the mean and the timed iterations have
+    lasted ``min_timed_s`` (``converged``), when the lower
     bound exceeds ``dominated_above_ms`` (``dominated``: the optimizer will
     not use this point, see :mod:`optimizer.profiling.scheduler`), when
     ``budget_s`` since the start of warm-up is spent (``budget``), or at
     ``max_iters``.
+
+    Why ``min_timed_s``: the interval assumes independent samples, and a
+    shared host's are not: its speed moves in spells of seconds. On the Zen 3
+    host (2026-12-07) BERT's point (2, 2) converged in its 5 iterations, 1.75 s
+    with a spread of 4 ms, where its neighbours' spreads were 26-245 ms: one
+    quiet spell, and the profile put it at 350 ms where serving took 517 (the
+    same point's miss, +46%, as on 12-06). Five tight samples of one spell say
+    nothing of the next; a point must cover a few seconds of the host.
     """
     start = clock()
     for _ in range(warmup):
@@ -155,7 +165,7 @@ def measure(
         if n < min_iters:
             continue
         hw = half_width(math.sqrt(m2 / (n - 1)), n, confidence) if n > 1 else math.inf
-        if hw <= rel_ci * mean:
+        if hw <= rel_ci * mean and clock() - timed_start >= min_timed_s:
             stop = "converged"
             break
         if dominated_above_ms is not None and mean - hw > dominated_above_ms:

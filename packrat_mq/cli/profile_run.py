@@ -65,7 +65,8 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
               help="A fast profile of what the optimizer needs for --threads-max and --max-batch: "
               f"--warmup {QUICK_SCHEDULE['warmup']}, --min-iters {QUICK_SCHEDULE['min_iters']}, "
               f"--max-iters {QUICK_SCHEDULE['max_iters']}, --rel-ci {QUICK_SCHEDULE['rel_ci']:g}, "
-              f"--budget-s {QUICK_SCHEDULE['budget_s']:g} (any of them given explicitly still wins).")
+              f"--budget-s {QUICK_SCHEDULE['budget_s']:g}, --min-timed-s {QUICK_SCHEDULE['min_timed_s']:g} "
+              "(any of them given explicitly still wins).")
 @click.option("--passes", type=click.IntRange(1, 10), default=1, show_default=True,
               help="Measure the whole grid N times, each pass in fresh processes, and take each point's mean "
                    "of its passes: on a shared host whose speed moves by the minute, the profile is then "
@@ -83,6 +84,10 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
               help="Untimed iterations before timing each (threads, batch).")
 @click.option("--budget-s", type=click.FloatRange(0, min_open=True), default=30.0, show_default=True,
               help="Time budget per (threads, batch); --min-iters are always run.")
+@click.option("--min-timed-s", type=click.FloatRange(min=0), default=3.0, show_default=True,
+              help="Seconds of timed iterations a (threads, batch) needs before it counts as converged: "
+                   "a shared host's speed moves in spells of seconds, and a few tight samples of one "
+                   "quiet spell are no mean of it.")
 @click.option("--max-latency-ms", type=click.FloatRange(0, min_open=True), default=None,
               help="Latency SLO: stop growing the batch at a thread count once slower than this "
               "(the profile then only plans under the SLO).")
@@ -120,6 +125,7 @@ def run(
     max_iters: int,
     warmup: int,
     budget_s: float,
+    min_timed_s: float,
     max_latency_ms: float | None,
     output: Path | None,
     fresh: bool,
@@ -159,6 +165,7 @@ def run(
         max_iters = schedule.get("max_iters", max_iters)
         rel_ci = schedule.get("rel_ci", rel_ci)
         budget_s = schedule.get("budget_s", budget_s)
+        min_timed_s = schedule.get("min_timed_s", min_timed_s)
         if "max_iters" in schedule:
             max_iters = max(max_iters, min_iters)  # --quick --min-iters 30 asks for 30
     for model in models:
@@ -183,6 +190,7 @@ def run(
             max_iters=max_iters,
             warmup=warmup,
             budget_s=budget_s,
+            min_timed_s=min_timed_s,
             max_latency_ms=max_latency_ms,
             passes=passes,
         )
