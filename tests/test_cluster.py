@@ -450,12 +450,10 @@ def test_a_node_that_loses_its_port_starts_again_on_another(tmp_path: Path, monk
         return [port, *ports[1:]] if len(calls) == 1 else ports
 
     monkeypatch.setattr(redis_cluster, "free_ports", first_one_taken)
-    started = time.monotonic()
-    try:
+    try:  # before, the start waited out its deadline for the node that had exited, and failed
         with LocalCluster(tmp_path / "c", masters=3, replicas=0) as c:
             assert port not in c.ports and len(c.ports) == 3
             assert c.healthy()
             assert calls == [3, 1]
     finally:
         taken.close()
-    assert time.monotonic() - started < 60
