@@ -35,7 +35,7 @@ from optimizer.planning.profile import Profile
 from optimizer.planning.selection import choose, find_profile
 from packrat_mq import control
 from packrat_mq.deployment import node_share
-from packrat_mq.instances import Configuration, plan_change
+from packrat_mq.instances import ChangePlan, Configuration, plan_change
 from packrat_mq.settings import Settings
 
 log = logging.getLogger("packrat_mq.dispatcher.adaptive")
@@ -246,16 +246,8 @@ class PlannedCapacity:
         Only an active-passive change over-subscribes cores, which is what
         :meth:`Policy.switch_cost_s` prices. Unknown plans count as no: nothing is delayed on a guess.
         """
-        before, after = self._plans(a), self._plans(b)
-        if before is None or after is None:
-            return False
-        for node in set(before) | set(after):
-            if node not in before or node not in after:
-                continue  # a node that only gains or only loses its instances: no switch there
-            served = [(i.threads, i.batch) for i in before[node][1].instances]
-            if plan_change(served, after[node][1]).kind == "active-passive":
-                return True
-        return False
+        changes = self._changes(a, b)
+        return changes is not None and any(c.kind == "active-passive" for c in changes.values())
 
     def observe_spares(self, spares: dict[str, tuple[int, int]], now: float) -> None:
         """What each node's supervisor says of its spares, ``node -> (loaded, kept)``, read at ``now``."""
@@ -268,14 +260,20 @@ class PlannedCapacity:
     def starts(self, a: int, b: int) -> dict[str, int] | None:
         """Per node, how many processes going from B=``a``'s plan to B=``b``'s starts (None where unknown),
         matched as the supervisor matches them (:func:`packrat_mq.instances.plan_change`)."""
+        changes = self._changes(a, b)
+        return None if changes is None else {node: len(c.start) for node, c in changes.items()}
+
+    def _changes(self, a: int, b: int) -> dict[str, ChangePlan] | None:
+        """Per node of B=``b``'s plans, the supervisor's change from B=``a``'s plan there
+        (:func:`packrat_mq.instances.plan_change`; from nothing on a node ``a`` leaves out, which only
+        starts: a scale); None where either plan is unknown. A node ``b`` leaves out only stops: no
+        processes, no switch."""
         before, after = self._plans(a), self._plans(b)
         if before is None or after is None:
             return None
-        out = {}
-        for node, (_, configuration) in after.items():
-            served = [(i.threads, i.batch) for i in before[node][1].instances] if node in before else []
-            out[node] = len(plan_change(served, configuration).start)
-        return out
+        return {node: plan_change([(i.threads, i.batch) for i in before[node][1].instances] if node in before else [],
+                                  configuration)
+                for node, (_, configuration) in after.items()}
 
     def awaiting_spares(self, a: int, b: int, now: float) -> bool:
         """Whether going from B=``a`` to B=``b`` would start more processes on some node than it has spares
