@@ -207,6 +207,8 @@ SURGE_WINDOW_S = 0.1
 #: A smaller B is predicted against the target only where it serves the rate's high bound with this to spare
 #: (the simulation gives a rate past capacity a large but finite mean; this keeps such a B out).
 FASTER_SPARE = 0.05
+#: ... and with this to spare where it is the B that the last change moved up from (see ``Policy._left_up``).
+UNDO_SPARE = 0.10
 #: How long a B's served capacity, measured under a backlog, stands in for its plan's (seconds;
 #: see ``Policy.learn``): a host's speed drifts, and a measurement is renewed whenever B serves a backlog.
 SERVED_TTL_S = 300.0
@@ -744,8 +746,10 @@ class Policy:
         # The B that serve the rate with the spare first: a simulation holds the dispatcher's GIL for
         # 10-30 ms, and near saturation (a step at 90% of B=32's capacity) none does, and every
         # millisecond the dispatch loop waits is a backlog that drains at the 10% to spare.
+        undone = None if up else self._left_up(now, current)
         candidates = [b for b in self._candidates(target) if low <= b < target
-                      and (cap := capacity(b)) is not None and rate <= (1 - FASTER_SPARE) * cap]
+                      and (cap := capacity(b)) is not None
+                      and rate <= (1 - (UNDO_SPARE if b == undone else FASTER_SPARE)) * cap]
         if not candidates:
             return target
         base = self._predicted(target, rate, capacity, planned)
@@ -759,6 +763,21 @@ class Policy:
         if best != target:
             self._faster = (target, base, best, best_ms, rate)
         return best
+
+    def _left_up(self, now: float, current: int) -> int | None:
+        """The B the last change moved up from to ``current``, within ``flap_window_s``; else None.
+
+        The prediction takes that B back only with the whole ``capacity_margin`` to spare
+        (:meth:`quickest`), not ``FASTER_SPARE``: a queue that built there is what moved B up,
+        and a prediction near saturation is optimistic (12% at 90% of B=32's capacity,
+        docs/figures.md). At 95% of B=16's capacity on 16 simulated cores, the 12-07 runs went
+        32 -> 16 by the prediction 7 s after the queue had moved B up from 16, and back 1.6-5 s
+        later, in every run, for nothing: the phase's mean was within 1% of static B=32's.
+        """
+        change, at = self.last_change, self.last_change_at
+        if change is None or at is None or change[1] != current or change[0] >= current:
+            return None
+        return change[0] if now - at <= self.settings.flap_window_s else None
 
     def _predicted(self, batch: int, rate: float, capacity: Callable[[int], float | None],
                    planned: Callable[[int], float | None] | None) -> float | None:
