@@ -1210,6 +1210,51 @@ def test_the_b_a_queue_moved_up_from_is_taken_back_only_with_more_to_spare() -> 
         assert moved and moved[0].batch == 16, other
 
 
+def _after_a_move_down(policy: Policy, rising_to: int, rate: float = 125.0) -> list[Decision]:
+    """B=8 at ``rate`` (125/s) on 16 simulated cores, counted exactly, 2 s after warming at B=8: the stream rises from 15
+    to ``rising_to`` over 1 s (what a switch's stall leaves), then holds; the decisions over 2 s (none applied)."""
+    policy.latency = _sixteen_cores()
+    est = Estimator()
+    decisions: list[Decision] = []
+    t, arrived, dispatched = 100.0, 8.0, 0.0
+    policy.decide(t, 8, 8)
+    while t < 104.0:
+        t += 0.005
+        arrived += rate * 0.005
+        if arrived - dispatched >= 8:
+            dispatched += 8
+            policy.record_batch(t, 8, False, 5.0)
+        if t < 102.0:
+            held = 15
+            policy.record_length(t, held, max(0, int(arrived) - held))
+            policy.decide(t, 8, 8, 8.0, capacity=CAPACITY.get)
+            continue
+        held = int(15 + (rising_to - 15) * min(1.0, t - 102.0))
+        policy.record_length(t, held, max(0, int(arrived) - held))
+        est.observe(held, 8)
+        d = policy.decide(t, 8, est.b_tilde, est.q_tilde, capacity=CAPACITY.get)
+        if d is not None:
+            decisions.append(d)
+    return decisions
+
+
+def test_the_stall_of_a_switch_down_is_no_surge() -> None:
+    """Right after a move 16 -> 8 at 125/s (86% of B=8's capacity), the switch's stall lets the stream grow to
+    40, more than B=8 serves in the up dwell: the surge would move B at once, past the prediction. The
+    arrivals say B=8 carries the load, and B=8 is predicted sooner: nothing moves. Without the move down just
+    before, the same stream is a surge, and B goes up."""
+    settling = Policy()
+    settling.changed(101.5, 16, 8)
+    assert _after_a_move_down(settling, 40) == []
+    fresh = _after_a_move_down(Policy(), 40)
+    assert fresh and fresh[0].batch > 8
+    # A load that outgrows B=8 right after the move down (200/s against its 145) is a step: B goes up at once.
+    outgrown = Policy()
+    outgrown.changed(101.5, 16, 8)
+    stepped = _after_a_move_down(outgrown, 40, rate=200.0)
+    assert stepped and stepped[0].batch > 8
+
+
 def test_the_backlog_of_a_switch_down_does_not_undo_what_the_prediction_chose() -> None:
     """Right after a move down to B=16 the stream holds what arrived during the switch, and requests wait
     long: at 160/s B=16 is still predicted sooner than 32, so nothing moves for the rate window. Later, the
