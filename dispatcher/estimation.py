@@ -767,7 +767,7 @@ class Policy:
     def _left_up(self, now: float, current: int) -> int | None:
         """The B the last change moved up from to ``current``, within ``flap_window_s``; else None.
 
-        The prediction takes that B back only with the whole ``capacity_margin`` to spare
+        The prediction takes that B back only with ``UNDO_SPARE`` (10%) to spare
         (:meth:`quickest`), not ``FASTER_SPARE``: a queue that built there is what moved B up,
         and a prediction near saturation is optimistic (12% at 90% of B=32's capacity,
         docs/figures.md). At 95% of B=16's capacity on 16 simulated cores, the 12-07 runs went
@@ -1082,9 +1082,9 @@ class Policy:
         """Whether the last trigger period's arrivals exceed what ``current`` serves by more than a Poisson
         count's ``down_confidence`` deviations (capacity unknown: True, nothing is held back blind).
 
-        At 86% of B=8's capacity (125/s against 145) a second's count reached 144-146 in the 16-core runs of
-        12-07; a load that outgrows B=8 by a step (64 simulated cores' diurnal-1: 286/s at B=4's 198) is past
-        the bound within the second.
+        At 86% of B=8's capacity (125/s against 145) the rate read 139-146/s at the moves up of the
+        16-core runs of 12-07; a load that outgrows the smaller B by a step (64 simulated cores'
+        diurnal-1: 254/s at B=4's 198) is past the bound within the second.
         """
         cap = capacity(current) if capacity is not None else None
         if not cap:
