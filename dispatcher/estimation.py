@@ -204,8 +204,6 @@ LENGTH_RESOLUTION_S = 0.02
 #: How long the stream must overrun the current B before its growth is read as the arrivals (seconds;
 #: see ``Policy.surge``): five samples of the full rate, and a step's growth measured on the step alone.
 SURGE_WINDOW_S = 0.1
-#: ... and this long where its growth says ``FAR_ABOVE`` times what B serves arrives (see ``Policy.far_surge``).
-FAR_SURGE_WINDOW_S = 0.05
 #: A smaller B is predicted against the target only where it serves the rate's high bound with this to spare
 #: (the simulation gives a rate past capacity a large but finite mean; this keeps such a B out).
 FASTER_SPARE = 0.05
@@ -999,12 +997,6 @@ class Policy:
         # capacity, the switch shared the cores for 1.1-1.5 s, the stream grew from about 15 to 40 (more
         # than B=8 serves in the up dwell; Q̃ 32-36), and B went to 32 1.0-1.4 s later.
         stalled = settling and not self.outgrown(now, current, capacity)
-        # A surge past ``FAR_ABOVE`` times what B serves is a step, whatever the vote says yet: go to what
-        # carries it now (:meth:`far_surge`).
-        far = (surge is not None and not settling
-               and self.far_surge(self.grown(current, capacity) or 0.0, current, capacity))
-        if far:
-            carried = max(carried, self.carrying(now, self._above(current), current, capacity, rate=surge))
         # A surge is past any prediction: the rate bound it reads has hardly seen the step yet.
         b_tilde = carried if surge is not None and carried > current and not stalled else self.quickest(
             now, carried, current, capacity, planned, estimated=None if stalled else estimated)
@@ -1048,7 +1040,7 @@ class Policy:
         # outgrows is still undone at once: its arrivals are busy for the smaller B. (ResNet-50 on two
         # cores, at 40% of B=1's capacity, went 4 -> 1 -> 4 within 2.5 s: Q̃ read 3.6 after the switch.)
         dwell = min(self.timeout_s, s.up_timeout_s) if up else self.timeout_s + switch_wait
-        if surge is not None and up and not settling and (worth >= FAR_ABOVE * current or far):
+        if surge is not None and up and not settling and worth >= FAR_ABOVE * current:
             # A queue the current B cannot clear within the dwell, and growing: no burst to wait out. Go
             # now, and to what carries the arrivals as the stream's growth measures them (the rate
             # windows of a second or more have hardly seen the step yet).
@@ -1060,7 +1052,7 @@ class Policy:
         if not kept and self.disagree_since is not None and now - self.disagree_since >= dwell:
             # Two powers of two above B is no burst (a lone Poisson burst at low load reads 2-3 at B=1):
             # the queue builds whatever the planned capacity says (a machine slower than its profile).
-            if (not up or far or (worth >= FAR_ABOVE * current and not settling)
+            if (not up or (worth >= FAR_ABOVE * current and not settling)
                     or self.busy(now, current, capacity, sustained=self.needs_switch(current, b_tilde))):
                 if up and surge is None and worth >= FAR_ABOVE * current and not settling:
                     # A step the estimate saw before the surge's window was over: its target still carries
@@ -1071,12 +1063,7 @@ class Policy:
                     grown = self.grown(current, capacity, high=True)
                     if grown is not None:
                         b_tilde = max(b_tilde, self.carrying(now, worth, current, capacity, rate=grown))
-                reason = self._reason(estimated, worth, b_tilde, self._faster)
-                if far and surge is not None:
-                    cap = capacity(current) if capacity is not None else None
-                    reason = (f"surge (up to {surge:.0f}/s by the stream's growth, {surge / cap:.0f}x what B={current} "
-                              f"serves; B̃={estimated})" if cap else reason)
-                return Decision(b_tilde, reason, current, q_tilde)
+                return Decision(b_tilde, self._reason(estimated, worth, b_tilde, self._faster), current, q_tilde)
             # A burst, or the feedback of a larger B's slower lone requests, not a load that B cannot
             # carry: stay (a queue that really builds still moves B, through the queue-delay trigger).
         if up and settling and not self.busy(now, current, capacity):
@@ -1090,28 +1077,6 @@ class Policy:
         lifted = (self.quickest(now, carried, current, capacity, planned, stay=False)
                   if b_tilde == current < carried and not settling else None)
         return self._triggered(now, current, b_tilde, q_tilde, predicted_ms, lifted)
-
-    def far_surge(self, surge: float, current: int, capacity: Callable[[int], float | None] | None) -> bool:
-        """Whether a surge's rate (:meth:`surge`) is at least ``FAR_ABOVE`` times what ``current`` serves
-        (capacity unknown: False, the vote decides).
-
-        The vote (the mode of the last n B̂, of an EWMA of the stream's
-        length) lags a step by its own construction: on 64 simulated cores
-        (12-07) a step from 12 to 523 requests/s at B=1 (50/s) held the
-        stream past B=1's up dwell within 30 ms, but B̃ reached 4x B and
-        moved B 0.33-0.36 s in, with 140-180 requests waiting, which B=32,
-        with 11% to spare, drained in about 3 s: the step's mean 143-194 ms
-        against 119-123 for static B=32. A surge's rate is measured on the
-        step alone over ``SURGE_WINDOW_S``; four times B's capacity is no
-        Poisson burst (at 12/s, 20 arrivals in a tenth of a second where 1.2
-        are expected), nor the noise of a load near capacity.
-        """
-        cap = capacity(current) if capacity is not None else None
-        return bool(cap) and surge >= FAR_ABOVE * cap
-
-    def _above(self, current: int) -> int:
-        """The smallest B̂ value above ``current`` (``current`` at ``max_batch``)."""
-        return next((b for b in self._candidates(self.settings.max_batch) if b > current), current)
 
     def outgrown(self, now: float, current: int, capacity: Callable[[int], float | None] | None) -> bool:
         """Whether the last trigger period's arrivals exceed what ``current`` serves by more than a Poisson
@@ -1146,11 +1111,6 @@ class Policy:
         taken at its count's high bound (:meth:`grown`), as a move down takes
         the rate window's: a step's first tenth of a second is a small count.
         Capacity unknown: None.
-
-        Where the growth's low bound is ``FAR_ABOVE`` times what ``current``
-        serves (:meth:`far_surge`), half the window does: such a step moves B
-        before the vote does, and every 50 ms of it is 26 more requests
-        waiting at 523/s.
         """
         if self._overrun(current, capacity) is None:
             self._overrun_since = None
@@ -1158,12 +1118,8 @@ class Policy:
         at = self._lengths[-1][0]
         if self._overrun_since is None:
             self._overrun_since = at
-        held = at - self._overrun_since
-        if held < SURGE_WINDOW_S:
-            # A step far past B is read sooner (:meth:`far_surge`), at its count's low bound.
-            low = self.grown(current, capacity) if held >= FAR_SURGE_WINDOW_S else None
-            if low is None or not self.far_surge(low, current, capacity):
-                return None
+        if at - self._overrun_since < SURGE_WINDOW_S:
+            return None
         return self.grown(current, capacity, high=True)
 
     def grown(self, current: int, capacity: Callable[[int], float | None] | None,

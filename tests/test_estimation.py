@@ -1006,31 +1006,7 @@ def test_a_queue_the_current_batch_cannot_clear_moves_at_once_to_what_carries_it
     step, decisions = step_from_idle(policy, est, 523.0, caps)
     assert len(decisions) == 1
     assert decisions[0].batch == 32
-    assert policy._lengths[-1][0] - step <= 0.11  # 0.205 s with the dwell on this ideal sampler
-
-
-def test_a_step_far_past_b_is_read_on_half_the_window() -> None:
-    """A surge of four times what B serves or more moves B once the stream has overrun B for 0.05 s, not
-    0.1 s: 523/s at B=1 (50/s) 0.085 s after the step against 0.135 s, 250/s 0.115 against 0.165. A step of
-    three times B's capacity waits for the vote or the queue delay, as before."""
-    caps = {1: 49.6, 2: 99.1, 4: 198.2, 8: 317.9, 16: 455.4, 32: 581.0}
-
-    def first(rate: float) -> tuple[float, Decision]:
-        est, policy = Estimator(), Policy()
-        step, decisions = step_from_idle(policy, est, rate, caps)
-        assert len(decisions) == 1, decisions
-        return policy._lengths[-1][0] - step, decisions[0]
-
-    for rate, within in ((523.0, 0.1), (250.0, 0.13)):
-        after, decision = first(rate)
-        assert after <= within and decision.reason.startswith("surge ("), (rate, after, decision)
-    after, decision = first(150.0)
-    assert after > 0.15 and not decision.reason.startswith("surge ("), (after, decision)
-    # Far or not, no surge read on less than the short window: 13 to 21 in 40 ms.
-    policy = Policy()
-    for k in range(9):
-        policy.record_length(k * 0.005, 13 + 30 * k)
-    assert policy.surge(0.04, 1, caps.get) is None
+    assert policy._lengths[-1][0] - step <= 0.16  # 0.205 s with the dwell on this ideal sampler
 
 
 def test_a_stream_that_overruns_but_shrinks_is_no_surge() -> None:
