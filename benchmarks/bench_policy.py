@@ -88,7 +88,8 @@ def simulate(rate: float, start: int, *, profile: str, cores: int, seconds: floa
             # The arrival drawn at the old rate would hold the step back by up to a gap of the old rate
             # (at 12/s, 0.2 s of 523/s lost): the arrivals are memoryless, so draw the next one again.
             stepped = True
-            next_arrival = max(next_arrival, warm_s) if next_arrival <= warm_s else warm_s + rng.expovariate(now_rate)
+            if next_arrival > warm_s:
+                next_arrival = warm_s + rng.expovariate(now_rate)
         while next_arrival <= t:
             waiting.append(next_arrival)
             arrived += 1
