@@ -452,6 +452,22 @@ def wait_for_spares(url: str, prefix: str, model: str, timeout_s: float = 600.0)
         r.close()
 
 
+def process_starts(url: str, prefix: str, model: str) -> dict[str, float]:
+    """Per node, the seconds its supervisor measured a process to take from start to loaded (the median of the
+    spares it loaded alone; ``Supervisor.process_start_s``), as the estimator reads it; nodes without one left out."""
+    r = connect(url)
+    keys = Keys(prefix)
+    try:
+        out = {}
+        for raw in r.smembers(keys.supervisors(model)):
+            rec = SupervisorState.load(r, keys.supervisor(model, raw.decode()))
+            if rec is not None and rec.process_start_s is not None:
+                out[raw.decode()] = rec.process_start_s
+        return out
+    finally:
+        r.close()
+
+
 def start_up(name: str, cmd: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[str], list[str]]:
     """Start ``packrat-mq up`` and wait for its ``ready:`` line; its output so far, and on, in the list returned."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
@@ -492,6 +508,7 @@ def run_setup(name: str, args: argparse.Namespace, url: str, phases: list[Phase]
     print(f"[{name}] serving: {lines[-2] if len(lines) > 1 else ''}", flush=True)
     # Without prewarm a supervisor keeps spares only once a change retires instances: nothing to wait for.
     spares_s = None if name == "adaptive-no-prewarm" else wait_for_spares(url, prefix, args.model)
+    starts = process_starts(url, prefix, args.model)
     if spares_s is not None:
         print(f"[{name}] spares loaded {spares_s:.1f} s after ready; the trace starts now", flush=True)
     monitor = Monitor(url, prefix, args.model)
@@ -517,6 +534,7 @@ def run_setup(name: str, args: argparse.Namespace, url: str, phases: list[Phase]
             shutil.rmtree(shm_dir, ignore_errors=True)
     result = analyse(name, driver, monitor.samples, history, phases, lines)
     result["spares_loaded_s"] = spares_s
+    result["process_start_s"] = starts
     result["cores_used"] = cores  # CPU seconds per wall second over the trace, by role
     print(f"[{name}] cores used over the trace: " + ", ".join(f"{k} {v:.2f}" for k, v in cores.items()), flush=True)
     if shm_dir:

@@ -109,6 +109,9 @@ class PlannedCapacity:
         self.spares: dict[str, tuple[int, int]] = {}
         #: Per node, when its loaded count last rose (the caller's clock): it is loading spares.
         self._spares_rose_at: dict[str, float] = {}
+        #: Per node, (seconds one process takes to load alone, CPUs processes load on side by side), as its
+        #: supervisor measured it (:meth:`observe_spares`); a node missing: not measured yet.
+        self.start_s: dict[str, tuple[float, int]] = {}
 
     def _current(self) -> None:
         """Forget the kept answers once the budgets, ratios or mode are other objects.
@@ -249,13 +252,46 @@ class PlannedCapacity:
         changes = self._changes(a, b)
         return changes is not None and any(c.kind == "active-passive" for c in changes.values())
 
-    def observe_spares(self, spares: dict[str, tuple[int, int]], now: float) -> None:
-        """What each node's supervisor says of its spares, ``node -> (loaded, kept)``, read at ``now``."""
+    def observe_spares(self, spares: dict[str, tuple[int, int]], now: float,
+                       starts: dict[str, tuple[float, int]] | None = None) -> None:
+        """What each node's supervisor says of its spares, ``node -> (loaded, kept)``, read at ``now``, and of
+        its processes' start, ``node -> (seconds one takes to load alone, CPUs they load on)`` where measured."""
         for node, (loaded, _) in spares.items():
             before = self.spares.get(node)
             if before is not None and loaded > before[0]:
                 self._spares_rose_at[node] = now
         self.spares = spares
+        if starts is not None:
+            self.start_s = starts
+
+    def cold_start_s(self, a: int, b: int) -> float | None:
+        """Seconds the processes that going from B=``a`` to B=``b`` starts beyond the loaded spares take to
+        load, on the node where that is longest; 0 where it starts none; None where unknown (no plans, or
+        a node that starts some without a measured start time).
+
+        Per node: the processes started beyond the spares loaded there, in
+        rounds of as many as its CPUs, each round the time one process takes
+        alone (``Supervisor.process_start_s``). Loading is CPU work, so n
+        processes on c CPUs take about n/c such times. On 64 simulated cores
+        (two real ones, 12-07) a spare loaded alone in about 1 s; moves from
+        B=32 down to 16 started 12 and 15 processes and were ready in
+        6.2 and 6.6 s (this says 6 and 8), moves down to 8 started 2 and 3
+        in 1.0-1.5 s (1 and 2). The policy priced those moves by the last
+        switch, a tenth of a second (``Policy.switch_cost_s``).
+        """
+        starts = self.starts(a, b)
+        if starts is None:
+            return None
+        longest = 0.0
+        for node, needed in starts.items():
+            cold = needed - self.spares.get(node, (0, 0))[0]
+            if cold <= 0:
+                continue
+            if node not in self.start_s:
+                return None
+            seconds, cpus = self.start_s[node]
+            longest = max(longest, seconds * math.ceil(cold / cpus))
+        return longest
 
     def starts(self, a: int, b: int) -> dict[str, int] | None:
         """Per node, how many processes going from B=``a``'s plan to B=``b``'s starts (None where unknown),
@@ -383,6 +419,8 @@ class Adaptive:
         self.policy.drain_s = getattr(capacity, "drain_s", None)
         # Which moves would start processes while the spares they could rebind are loading: those wait.
         self.policy.awaiting_spares = getattr(capacity, "awaiting_spares", None)
+        # What the processes a move starts beyond the loaded spares take to load: its switch lasts that.
+        self.policy.cold_start_s = getattr(capacity, "cold_start_s", None)
         #: Since a change took effect, until its history entry is read (monotonic; None: nothing to read).
         self._history_due: float | None = None
         #: When that change took effect (the reads stop a minute after it).

@@ -158,8 +158,10 @@ class Dispatcher:
             self._read_ratios(now)
 
     def _read_spares(self) -> None:
-        """How many spares each node's supervisor has loaded and keeps: a move down that would start processes
-        waits for the spares being loaded (``PlannedCapacity.awaiting_spares``).
+        """How many spares each node's supervisor has loaded and keeps, and what a process takes there to load:
+        a move down that would start processes waits for the spares being loaded
+        (``PlannedCapacity.awaiting_spares``), and is priced by the processes it starts beyond them
+        (``PlannedCapacity.cold_start_s``).
 
         Every heartbeat (they load about one a second on simulated cores), one read per node, off the request
         path; only while adaptive.
@@ -167,14 +169,20 @@ class Dispatcher:
         nodes = list(self.capacity.budgets)
         pipe = self.r.pipeline(transaction=False)
         for node in nodes:
-            pipe.hmget(self.keys.supervisor(self.model, node), "spares", "spares_wanted")
-        spares = {}
-        for node, (loaded, wanted) in zip(nodes, pipe.execute()):
+            pipe.hmget(self.keys.supervisor(self.model, node), "spares", "spares_wanted", "process_start_s",
+                       "start_cpus")
+        spares, starts = {}, {}
+        for node, (loaded, wanted, start_s, cpus) in zip(nodes, pipe.execute()):
             try:
                 spares[node] = (int(loaded or 0), int(wanted or 0))
             except ValueError:
                 continue  # an unreadable record says nothing of its spares
-        self.capacity.observe_spares(spares, self.adaptive.clock())
+            try:
+                if start_s is not None and float(start_s) > 0:
+                    starts[node] = (float(start_s), max(1, int(cpus or 1)))
+            except ValueError:
+                pass  # unreadable: the start time is unknown, as before one was measured
+        self.capacity.observe_spares(spares, self.adaptive.clock(), starts)
 
     def _read_ratios(self, now: float) -> None:
         """What each node's supervisor measured of serving against the profile: the capacities follow it.

@@ -228,6 +228,11 @@ class SupervisorState(LiveRecord):
     #: Spare instances loaded, and how many it keeps (see ``workers.rebinding``).
     spares: int = 0
     spares_wanted: int = 0
+    #: Seconds one of its processes takes from start to loaded (the median of the last spares loaded alone;
+    #: ``Supervisor.process_start_s``), and how many CPUs its processes load on side by side. None: not
+    #: measured yet.
+    process_start_s: float | None = None
+    start_cpus: int = 1
     #: Served / profiled latency, the median over its instances at their own (t, b)
     #: (``optimizer.planning.drift``); None until measured or without a profile.
     profile_ratio: float | None = None

@@ -674,6 +674,15 @@ def test_an_adaptive_dispatcher_reads_its_supervisors_spares_at_every_heartbeat(
     d._last_beat = 0.0
     d.heartbeat()
     assert d.capacity.spares == {node: (2, 2)} and node in d.capacity._spares_rose_at
+    assert d.capacity.start_s == {}, "no start time measured yet"
+    r.hset(settings.keys.supervisor(MODEL, node), mapping={"process_start_s": "0.95", "start_cpus": "2"})
+    d._last_beat = 0.0
+    d.heartbeat()
+    assert d.capacity.start_s == {node: (0.95, 2)}
+    r.hset(settings.keys.supervisor(MODEL, node), "process_start_s", "junk")
+    d._last_beat = 0.0
+    d.heartbeat()
+    assert d.capacity.start_s == {}, "an unreadable start time is none"
     r.hset(settings.keys.supervisor(MODEL, node), "spares", "junk")
     d._last_beat = 0.0
     d.heartbeat()

@@ -1564,6 +1564,62 @@ def test_planned_starts_count_the_processes_a_change_starts_and_spares_loading_a
     assert not cap.awaiting_spares(1, 4, 4.0 + SPARES_RISING_S + 0.1), "none since: not waited for"
 
 
+def test_the_processes_a_change_starts_beyond_the_loaded_spares_are_priced_at_their_load(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """64 simulated cores (12-07): moves from B=32 to 16 that found 0-4 spares loaded started 12-15 processes on
+    two real CPUs and were ready in 6.2-6.6 s. The processes beyond the spares load in rounds of as many as the
+    node's CPUs, each round what one takes alone."""
+    from optimizer.planning.profile import Profile, ProfileEntry
+
+    points = {(1, 1): 100.0, (1, 2): 190.0, (1, 4): 380.0, (2, 1): 60.0, (2, 2): 120.0, (2, 4): 240.0,
+              (2, 8): 480.0, (1, 8): 760.0}
+    path = Profile(model="tiny", entries=tuple(ProfileEntry(threads=t, batch=b, mean_ms=ms)
+                                               for (t, b), ms in points.items())).save(tmp_path / "p.json")
+    cap = PlannedCapacity("tiny", str(path))
+    assert cap.cold_start_s(1, 4) is None, "no plans: unknown"
+    cap.budgets = {"n1": 2}
+    assert cap.starts(1, 4) == {"n1": 2} and cap.starts(4, 2) == {"n1": 0}
+    cap.observe_spares({"n1": (0, 2)}, 0.0)
+    assert cap.cold_start_s(1, 4) is None, "processes to start, no start time measured: unknown"
+    assert cap.cold_start_s(4, 2) == 0.0, "a reshare starts nothing"
+    cap.observe_spares({"n1": (0, 2)}, 1.0, {"n1": (1.5, 1)})
+    assert cap.cold_start_s(1, 4) == 3.0, "two processes, one CPU: two rounds of 1.5 s"
+    cap.observe_spares({"n1": (1, 2)}, 2.0)  # the start time is kept while a read says nothing new of it
+    assert cap.cold_start_s(1, 4) == 1.5, "one of the two is a loaded spare"
+    cap.observe_spares({"n1": (0, 2)}, 3.0, {"n1": (1.5, 2)})
+    assert cap.cold_start_s(1, 4) == 1.5, "two CPUs: the two load side by side"
+    cap.observe_spares({"n1": (2, 2)}, 4.0)
+    assert cap.cold_start_s(1, 4) == 0.0, "both rebound from spares"
+
+
+def test_a_switch_that_starts_processes_is_priced_at_their_load_before_the_drain() -> None:
+    """The last switch (a move up that rebound spares, 0.2 s) says nothing of a move down that starts 12
+    processes; their load adds to what the B it leaves holds. Known before any switch: it is measured."""
+    policy = Policy(needs_processes=lambda a, b: (a >= 16) != (b >= 16))
+    policy.drain_s = DRAIN.get
+    cold = {(32, 8): 6.0, (32, 4): 0.0}
+    policy.cold_start_s = lambda a, b: cold.get((a, b))
+    assert policy.switch_cost_s(32, 8) == 2.85 + 6.0, "no switch measured yet, but the start time is"
+    assert policy.switch_cost_s(32, 4) == 0.0, "nothing started, nothing measured: nothing delayed on a guess"
+    assert policy.switch_cost_s(32) == 0.0, "no target: the last switch and the drain alone"
+    policy.switch_s = 0.2
+    assert policy.switch_cost_s(32, 8) == 2.85 + 6.0
+    assert policy.switch_cost_s(32, 4) == 2.85, "all rebound from spares: the drain"
+    assert policy.switch_cost_s(32, 2) == 2.85, "unknown start: the drain"
+    policy.switch_s = 12.0
+    assert policy.switch_cost_s(32, 8) == 12.0, "the last switch where it is longer"
+    caps = {16: 430.0, 32: 548.0}
+    latency = {16: 66.0, 32: 81.0}
+    policy.switch_s = 0.2
+    policy.drain_s = {32: 0.05, 16: 0.07}.get  # the sleeping model's tenth-scale batches
+    policy.latency = lambda b, rate: latency.get(b)
+    t = dispatch_at(policy, 0.0, 6.0, 350.0, 32, False)
+    cold[(32, 16)] = 0.0
+    rebound = policy.payback_s(t, 32, 16, caps.get)
+    cold[(32, 16)] = 6.0
+    started = policy.payback_s(t, 32, 16, caps.get)
+    assert 0.0 < rebound < 60.0 and started > 10 * rebound, "the move that starts 12 processes pays back later"
+
+
 def test_a_move_down_that_would_start_processes_waits_while_spares_load_unless_b_is_short() -> None:
     spares_loading = {"value": True}
     policy = Policy(needs_processes=lambda a, b: (a == 32) != (b == 32))
@@ -1606,6 +1662,7 @@ def test_the_sampler_gives_the_policy_the_spares_check() -> None:
     cap = PlannedCapacity("m", None)
     a = Adaptive(fakeredis.FakeRedis(), Settings(), "m", capacity=cap)
     assert a.policy.awaiting_spares == cap.awaiting_spares
+    assert a.policy.cold_start_s == cap.cold_start_s
 
 
 def _first_move_of_a_step(cores: int, rate: float, seed: int) -> int:

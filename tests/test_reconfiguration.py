@@ -374,6 +374,12 @@ def test_prewarmed_spares_make_even_the_first_change_without_a_start(
     supervise_until(sup, lambda: sup.spares_loaded() == 2, 60, "two spares to load")
     assert r.hget(settings.keys.supervisor("sleep", "n1"), "spares") == b"2"  # all of them, the last one too
     assert r.hget(settings.keys.supervisor("sleep", "n1"), "instances") == sup.instances[0].record.id.encode()
+    # Each spare was timed from its start to loaded (one at a time), and the median is published with the
+    # CPUs they load on: the estimator prices the processes a move would start beyond the spares by it.
+    assert len(sup._start_times) == 2 and all(0.0 < s < 60.0 for s in sup._start_times)
+    record = SupervisorState.load(r, settings.keys.supervisor("sleep", "n1"))
+    assert record.process_start_s == round(sorted(sup._start_times)[1], 3)
+    assert record.start_cpus == len(os.sched_getaffinity(0))
     with Load(redis_url, prefix, "sleep", clients=6) as load:
         time.sleep(0.5)
         change = sup.reconfigure(Configuration.parse("1x2,1x2"))

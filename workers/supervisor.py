@@ -22,6 +22,7 @@ import socket
 import subprocess
 import json
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +73,9 @@ SETTLE_S = 10.0
 #: supervision tick (tens of milliseconds) an instance serving a third of the time reads idle most ticks.
 PREWARM_CPU_WINDOW_S = 2.0
 
+
+#: How many of the last spares loaded alone the published start time is the median of (``process_start_s``).
+START_SAMPLES = 8
 
 #: How often supervision checks while a reconfiguration is in progress (its phases are short).
 CHANGE_POLL_S = 0.02
@@ -227,6 +231,10 @@ class Supervisor:
         self._spare_seq = 0
         #: Spare id -> the pid whose record said ``spare`` (loaded): read from Redis once per process.
         self._loaded: dict[str, int] = {}
+        #: Spare id -> (pid, monotonic start) of the spares pre-started one at a time, until loaded.
+        self._spare_started: dict[str, tuple[int, float]] = {}
+        #: Seconds each of the last ``START_SAMPLES`` of those took from start to loaded (:meth:`process_start_s`).
+        self._start_times: deque[float] = deque(maxlen=START_SAMPLES)
         self._largest: int | None = None
         #: The batch sizes a pre-started spare warms up at (:meth:`_spare_batches`), planned once.
         self._spare_sizes: list[int] | None = None
@@ -685,6 +693,8 @@ class Supervisor:
         inst = self._new_instance(f"{self.node}-spare-{self._spare_seq}", 1, 1, cpus, cores[0].socket, pin,
                                   spare=True, warm_batches=self._spare_batches())
         self._start_instance(inst)
+        assert inst.child.process is not None
+        self._spare_started[inst.record.id] = (inst.child.process.pid, time.monotonic())
         self.spares.append(inst)
 
     def _cpu_busy(self) -> float | None:
@@ -723,8 +733,37 @@ class Supervisor:
         rec = InstanceState.load(self.r, inst.child.record_key)
         if rec is not None and rec.state == "spare" and rec.pid == pid:
             self._loaded[inst.record.id] = pid
+            started = self._spare_started.pop(inst.record.id, None)
+            if started is not None and started[0] == pid:
+                self._start_times.append(time.monotonic() - started[1])
             return True
         return False
+
+    def process_start_s(self) -> float | None:
+        """Seconds a worker process takes from its start to loaded, the median of the last spares
+        pre-started (one at a time, on a machine under ``prewarm_max_cpu``); None before one has loaded.
+
+        Published for the estimator, which prices a move by the processes it
+        would start beyond the loaded spares (``PlannedCapacity.cold_start_s``):
+        on 64 simulated cores (two real ones, 12-07) moves from B=32 down to 16
+        that found 0-4 spares loaded started 12-15 processes and took 6.2-6.9 s
+        to be ready, while the policy priced them at the last switch (0.2 s).
+        A spare's load is the same work as a started instance's (the handler's
+        ``initialize`` and the warm-up batches), and the only one timed alone.
+        """
+        if not self._start_times:
+            return None
+        ordered = sorted(self._start_times)
+        return ordered[len(ordered) // 2]
+
+    @staticmethod
+    def start_cpus() -> int:
+        """How many CPUs this node's processes may run on (this process's affinity, which they inherit or
+        are pinned within): processes started together load side by side on at most that many."""
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except (AttributeError, OSError):  # not Linux
+            return max(1, os.cpu_count() or 1)
 
     def spares_loaded(self) -> int:
         """How many spares are loaded (as last seen: no Redis read)."""
@@ -999,6 +1038,8 @@ class Supervisor:
             adaptive=self.adaptive, phase=self.change.phase if self.change else "",
             target=self.change.target.compact() if self.change else "",
             spares=self.spares_loaded(), spares_wanted=self.spare_cap(),
+            process_start_s=round(start, 3) if (start := self.process_start_s()) is not None else None,
+            start_cpus=self.start_cpus(),
             profile_ratio=round(self.profile_check.ratio, 3) if self.profile_check and self.profile_check.ratio
             else None,
             profile_ratios=[f"{t}={r:.3f}" for t, (r, _) in sorted(self.thread_ratios.items())],
