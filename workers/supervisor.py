@@ -619,6 +619,7 @@ class Supervisor:
         inst = (same or live)[0]
         self.spares.remove(inst)
         self._loaded.pop(inst.record.id, None)
+        self._spare_started.pop(inst.record.id, None)  # taken before it loaded: its load is not timed alone
         return inst
 
     def _bind(self, inst: Instance, a: CoreAssignment, after: list[str] | None = None) -> None:
@@ -750,6 +751,8 @@ class Supervisor:
         to be ready, while the policy priced them at the last switch (0.2 s).
         A spare's load is the same work as a started instance's (the handler's
         ``initialize`` and the warm-up batches), and the only one timed alone.
+        Its end is seen at the supervision check that reads the spare's record
+        (every 0.2 s in a pool), so a time is up to that much long.
         """
         if not self._start_times:
             return None
