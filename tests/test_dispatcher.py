@@ -310,11 +310,15 @@ def test_idle_returns_nothing(r: redis.Redis, settings: Settings, monkeypatch: p
     waits = []
     real = d.waiter.read
     monkeypatch.setattr(d.waiter, "read", lambda *a: waits.append(a[-1]) or real(*a))
-    t0 = time.monotonic()
-    assert d.run_once(idle_block_ms=50) == 0
+    took = []
+    for _ in range(3):
+        t0 = time.monotonic()
+        assert d.run_once(idle_block_ms=50) == 0
+        took.append((time.monotonic() - t0) * 1000)
     # The wait for a first request is bounded by idle_block_ms (BLOCK 0 would wait forever).
-    assert waits == [50]
-    assert (time.monotonic() - t0) * 1000 < 50 + 60, "ended at its deadline, not the server's tick"
+    assert waits == [50, 50, 50]
+    # The quickest of three: a server's tick would make every one late, a busy machine only some.
+    assert min(took) < 50 + 60, f"ended at its deadline, not the server's tick: {took}"
     assert r.hget(settings.keys.stats(MODEL), "batches") is None
 
 

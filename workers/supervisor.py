@@ -694,8 +694,8 @@ class Supervisor:
         inst = self._new_instance(f"{self.node}-spare-{self._spare_seq}", 1, 1, cpus, cores[0].socket, pin,
                                   spare=True, warm_batches=self._spare_batches())
         self._start_instance(inst)
-        assert inst.child.process is not None
-        self._spare_started[inst.record.id] = (inst.child.process.pid, time.monotonic())
+        if inst.child.process is not None:
+            self._spare_started[inst.record.id] = (inst.child.process.pid, time.monotonic())
         self.spares.append(inst)
 
     def _cpu_busy(self) -> float | None:
