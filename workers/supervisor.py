@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import json
 import time
@@ -46,7 +47,7 @@ from packrat_mq.metrics import SUPERVISOR_HISTOGRAMS, Tally, Totals
 from packrat_mq.records import DispatcherState, InstanceState, LiveRecord, SupervisorState
 from packrat_mq.settings import Settings
 from packrat_mq.streams import ensure_group
-from packrat_mq.topology import Topology
+from packrat_mq.topology import Topology, allowed_cpus
 from workers.allocation import AllocationError, CoreAssignment, allocate
 from workers.launch import instance_env, spawn
 from workers import rebinding
@@ -754,19 +755,13 @@ class Supervisor:
         Its end is seen at the supervision check that reads the spare's record
         (every 0.2 s in a pool), so a time is up to that much long.
         """
-        if not self._start_times:
-            return None
-        ordered = sorted(self._start_times)
-        return ordered[len(ordered) // 2]
+        return statistics.median_high(self._start_times) if self._start_times else None
 
     @staticmethod
     def start_cpus() -> int:
         """How many CPUs this node's processes may run on (this process's affinity, which they inherit or
         are pinned within): processes started together load side by side on at most that many."""
-        try:
-            return max(1, len(os.sched_getaffinity(0)))
-        except (AttributeError, OSError):  # not Linux
-            return max(1, os.cpu_count() or 1)
+        return max(1, len(allowed_cpus()))
 
     def spares_loaded(self) -> int:
         """How many spares are loaded (as last seen: no Redis read)."""
