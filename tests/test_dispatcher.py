@@ -670,29 +670,24 @@ def test_an_adaptive_dispatcher_reads_its_supervisors_spares_at_every_heartbeat(
     node = "n1"
     d.capacity.budgets = {node: 2}
     d.adaptive.adaptive = True
-    r.hset(settings.keys.supervisor(MODEL, node), mapping={"spares": "1", "spares_wanted": "2"})
-    d._last_beat = 0.0
-    d.heartbeat()
+
+    def beat(**fields: str) -> None:
+        """The supervisor's record says ``fields``; then the dispatcher's next heartbeat, due now."""
+        r.hset(settings.keys.supervisor(MODEL, node), mapping=fields)
+        d._last_beat = 0.0
+        d.heartbeat()
+
+    beat(spares="1", spares_wanted="2")
     assert d.capacity.spares == {node: (1, 2)}
-    r.hset(settings.keys.supervisor(MODEL, node), "spares", "2")
-    d._last_beat = 0.0
-    d.heartbeat()
+    beat(spares="2")
     assert d.capacity.spares == {node: (2, 2)} and node in d.capacity._spares_rose_at
     assert d.capacity.start_s == {}, "no start time measured yet"
-    r.hset(settings.keys.supervisor(MODEL, node), mapping={"process_start_s": "0.95", "start_cpus": "2"})
-    d._last_beat = 0.0
-    d.heartbeat()
+    beat(process_start_s="0.95", start_cpus="2")
     assert d.capacity.start_s == {node: (0.95, 2)}
-    r.hset(settings.keys.supervisor(MODEL, node), "process_start_s", "junk")
-    d._last_beat = 0.0
-    d.heartbeat()
+    beat(process_start_s="junk")
     assert d.capacity.start_s == {}, "an unreadable start time is none"
-    r.hset(settings.keys.supervisor(MODEL, node), "spares", "junk")
-    d._last_beat = 0.0
-    d.heartbeat()
+    beat(spares="junk")
     assert d.capacity.spares == {}, "an unreadable count is no count"
     d.adaptive.adaptive = False  # a pinned deployment waits for nothing: nothing is read
-    r.hset(settings.keys.supervisor(MODEL, node), "spares", "1")
-    d._last_beat = 0.0
-    d.heartbeat()
+    beat(spares="1")
     assert d.capacity.spares == {}
