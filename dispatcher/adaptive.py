@@ -485,14 +485,11 @@ class Adaptive:
         this process and Redis, on cores the instances are meant to own: a
         static B=4 ResNet-50 on two cores, at 90% load, served the same trace
         with a mean of 647 ms sampled every 5 ms and 454 ms every 100 ms
-        (one A/B pair, docs/figures.md). Never while the stream fills
-        towards a surge (:meth:`_filling`).
+        (one A/B pair, docs/figures.md).
         """
         with self._lock:
             since, last = self.policy.agree_since, self.estimator.last
             if since is None or last is None or self.clock() - since < self.config.reconfigure_timeout_s:
-                return False
-            if self._filling():
                 return False
             # The latest B̂ is the mode the policy last found agreeing: the same target, nothing to compute
             # again (each look is CPU of the cores the instances own). Another B̂ may still agree, once
@@ -505,25 +502,6 @@ class Adaptive:
                                           estimated=last)
             target = self.policy.quickest(now, target, self.batch or 1, capacity, self.capacity, estimated=last)
             return target == self.batch
-
-    def _filling(self) -> bool:
-        """Whether the stream's last length is over half of what B serves in the up dwell (its planned
-        capacity; twice B where none is known): the surge's clock (``Policy.surge``) is near.
-
-        The surge starts counting at the first sample that sees the stream
-        overrun B, so a slow sample there delays the move by what it sleeps.
-        On 64 simulated cores (12-07) a step from idle had 9 requests in the
-        stream at one sample, the sampler then slept its steady 40 ms (and was
-        held off the CPU another 47 ms), and the next sample read 65, 0.1 s
-        into the step: the move to B=32 came 0.21 s in, with 100 queued.
-        Under a steady load the stream stays below this (B=32 at 90% of its
-        capacity held a median of 61, against 73 here).
-        """
-        length, batch = self._last_length, self.batch or 1
-        if length is None:
-            return False
-        cap = self.capacity(batch) if self.capacity is not None else None
-        return length > (cap * self.config.up_timeout_s / 2 if cap else 2 * batch)
 
     def _read_counts(self) -> tuple[int, int | None]:
         """``XLEN`` of the request stream, and the model's count of answered requests, in one round trip.

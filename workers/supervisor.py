@@ -237,8 +237,8 @@ class Supervisor:
         #: Seconds each of the last ``START_SAMPLES`` of those took from start to loaded (:meth:`process_start_s`).
         self._start_times: deque[float] = deque(maxlen=START_SAMPLES)
         self._largest: int | None = None
-        #: The (threads, batch) sizes a pre-started spare warms up at (:meth:`_spare_sizes`), planned once.
-        self._warm_sizes: list[tuple[int, int]] | None = None
+        #: The batch sizes a pre-started spare warms up at (:meth:`_spare_batches`), planned once.
+        self._spare_sizes: list[int] | None = None
         #: When the current CPU-use window began (monotonic; None: no window yet).
         self._cpu_window_at: float | None = None
         #: Monotonic time before which the machine is settling after a change (see ``SETTLE_S``).
@@ -278,7 +278,7 @@ class Supervisor:
                                   a.socket, a.pin, after=after)
 
     def _new_instance(self, instance_id: str, threads: int, batch: int, cpus: list[int], socket: int, pin: bool,
-                      *, spare: bool = False, warm_at: list[tuple[int, int]] | None = None,
+                      *, spare: bool = False, warm_batches: list[int] | None = None,
                       after: list[str] | None = None) -> Instance:
         """An instance not yet started: its record in the deployment, its worker spec, its process."""
         record = InstanceRecord(id=instance_id, threads=threads, batch=batch, cpus=cpus, socket=socket,
@@ -286,7 +286,7 @@ class Supervisor:
         spec = WorkerSpec(url=self.url, settings=self.settings, model=self.model, handler=self.handler,
                           instance_id=instance_id, threads=threads, batch=batch, cpus=cpus, socket=socket, pin=pin,
                           graph_mode=self.graph_mode, options=self.options, parent_pid=os.getpid(), spare=spare,
-                          warm_at=warm_at or [], after=after or [])
+                          warm_batches=warm_batches or [], after=after or [])
         child = Child(name=f"instance {instance_id}", module="workers.worker", spec_json=spec.model_dump_json(),
                       record_key=self.keys.instance(self.model, instance_id), record=InstanceState,
                       env=instance_env(threads, self.settings))
@@ -587,15 +587,16 @@ class Supervisor:
         """The most instances any plan of the adaptive range has."""
         return max((len(plan.instances) for plan in self._range_plans()), default=0)
 
-    def _spare_sizes(self) -> list[tuple[int, int]]:
-        """The (threads, batch) of every instance the adaptive range's plans have (what a spare is re-bound to).
+    def _spare_batches(self) -> list[int]:
+        """The batch sizes the adaptive range's plans give 1-thread instances (what a spare is re-bound to).
 
-        A pre-started spare warms up at each (``WorkerSpec.warm_at``), so that a change to one of these
-        plans takes no warm-up while the old instances serve beside it.
+        A pre-started spare warms up at each (``WorkerSpec.warm_batches``), so that a change to one of
+        these plans takes no warm-up while the old instances serve beside it.
         """
-        if self._warm_sizes is None:
-            self._warm_sizes = sorted({(i.threads, i.batch) for plan in self._range_plans() for i in plan.instances})
-        return self._warm_sizes
+        if self._spare_sizes is None:
+            self._spare_sizes = sorted({i.batch for plan in self._range_plans() for i in plan.instances
+                                        if i.threads == 1})
+        return self._spare_sizes
 
     def _room_for_spare(self) -> bool:
         """Whether there is memory to spare: above ``spare_min_free_fraction`` available.
@@ -692,7 +693,7 @@ class Supervisor:
         cpus = [c.cpus[0] for c in cores if c.socket == cores[0].socket]
         self._spare_seq += 1
         inst = self._new_instance(f"{self.node}-spare-{self._spare_seq}", 1, 1, cpus, cores[0].socket, pin,
-                                  spare=True, warm_at=self._spare_sizes())
+                                  spare=True, warm_batches=self._spare_batches())
         self._start_instance(inst)
         if inst.child.process is not None:
             self._spare_started[inst.record.id] = (inst.child.process.pid, time.monotonic())

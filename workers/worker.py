@@ -105,9 +105,9 @@ class WorkerSpec(RuntimeSpec):
     parent_pid: int | None = None
     #: Start as a spare: loaded and warm, but serving no one until a ``serve`` order (:mod:`workers.rebinding`).
     spare: bool = False
-    #: The (threads, batch) sizes a spare warms up at while it waits: a ``serve`` order at one of them then
-    #: takes no warm-up (see :meth:`Worker.warm_ahead`).
-    warm_at: list[tuple[int, int]] = Field(default_factory=list)
+    #: A spare's other batch sizes to warm up at while it waits (its own thread count): a ``serve`` order
+    #: at one of them then takes no warm-up (see :meth:`Worker.warm_ahead`).
+    warm_batches: list[int] = Field(default_factory=list)
     #: Instances leaving on this one's cores (an active-passive change that over-subscribes them): its
     #: first sub-batch waits until they have answered what they hold (:meth:`Worker.hand_over`).
     after: list[str] = Field(default_factory=list)
@@ -389,7 +389,7 @@ class Worker:
         return held
 
     def warm_ahead(self) -> None:
-        """A spare warms up at each (threads, batch) its supervisor's plans give instances.
+        """A spare warms up at the batch sizes its supervisor's plans give instances of its thread count.
 
         A ``serve`` order warms the instance at its new size before it says
         ``ready``; during an active-passive change that warm-up runs on the
@@ -397,30 +397,19 @@ class Worker:
         at b=2 took 0.6-0.8 s of a 2.1-2.9 s switch on two cores. A spare has
         the time before any change (it is pre-started only while the machine
         is quiet), so it runs one batch at each size then, and a rebind to
-        one of them skips the warm-up. At every thread count the plans have,
-        not its own alone: on 64 simulated cores (12-07) the plans' instances
-        have 2 to 16 threads, every spare started at one, and each of the 32
-        rebound by the step's move to B=32 warmed up for 57 ms before the
-        switch. Only where the model runs any batch size as it is (eager, or
-        TorchScript): a backend built for one size is built again at a rebind
-        anyway. It goes back to its own threads and batch after.
+        one of them skips the warm-up. Only where the model runs any batch
+        size as it is (eager, or TorchScript): a backend built for one size
+        is built again at a rebind anyway.
         """
         if not self.spec.spare or self.handler is None:
             return
         if self.spec.graph_mode and self.spec.graph_mode not in graph_modes.ANY_BATCH:
             return
-        moved = False
-        for threads, b in self.spec.warm_at:
-            if (threads, b) in self.warmed or self._stopping.is_set():
+        for b in self.spec.warm_batches:
+            if (self.spec.threads, b) in self.warmed or self._stopping.is_set():
                 continue
-            if threads == self.spec.threads:
-                runtime.warm(self.handler, b)
-            else:
-                runtime.rebind(self.handler, self.spec.model_copy(update={"threads": threads, "batch": b}))
-                moved = True
-            self.warmed.add((threads, b))
-        if moved:
-            runtime.rebind(self.handler, self.spec, warm_up=False)
+            runtime.warm(self.handler, b)
+            self.warmed.add((self.spec.threads, b))
 
     def _ack(self, entry_id: bytes) -> None:
         pipe = self.r.pipeline(transaction=True)
