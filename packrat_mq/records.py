@@ -173,6 +173,9 @@ class InstanceState(LiveRecord):
     served_batches: int = 0
     #: Seconds its first sub-batch after a change waited for the instances leaving its cores (a handover).
     held_s: float | None = None
+    #: Seconds a pre-started spare spent warming up ahead at the plans' other sizes (``Worker.warm_ahead``):
+    #: work a started instance does not do, so the supervisor leaves it out of the process start it publishes.
+    warm_ahead_s: float | None = None
 
 
 class DispatcherState(LiveRecord):

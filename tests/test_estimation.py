@@ -587,6 +587,24 @@ def test_the_sampler_slows_once_the_estimate_has_agreed_for_a_timeout() -> None:
     assert a.estimator.last == 8 and not a.steady()
 
 
+def test_a_steady_sampler_is_woken_by_a_batch_that_waited_long_behind_the_instances() -> None:
+    """Sampled every 40 ms while steady, a step would be seen late: a batch whose oldest request waited over
+    twice B's predicted latency (20 ms here) wakes it; one that waited less, or any batch while not steady,
+    does not (a sampler at full pace needs no nudge)."""
+    a, clock, fake = _adaptive_on(5, 4)
+    a.record_batch(4, False, 500.0)
+    assert not a._wake.is_set()  # not steady yet
+    a._steady = True
+    a.record_batch(4, False, 39.0)
+    assert not a._wake.is_set()
+    a.record_batch(4, False, 41.0)
+    assert a._wake.is_set()
+    a._wake.clear()
+    a.serving(4, 1, True, None)  # no prediction: no threshold to wake by
+    a.record_batch(4, False, 500.0)
+    assert not a._wake.is_set()
+
+
 def test_the_sampler_reads_the_length_and_the_answered_count_together() -> None:
     a, clock, fake = _adaptive_on(5, 4)
     assert a._read_counts() == (5, 0)  # nothing answered yet: no counter

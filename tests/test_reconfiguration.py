@@ -366,6 +366,29 @@ def test_retired_instances_become_spares_and_later_changes_rebind_them(
     assert r.smembers(settings.keys.instances("sleep")) == set()
 
 
+def test_a_spares_start_time_leaves_out_its_warm_up_ahead(make: MakeSupervisor, r: redis.Redis,
+                                                            settings: Settings) -> None:
+    """The published process start is what an instance started for a change takes: a spare's warm-up at the
+    plans' other sizes (``warm_ahead_s`` in its record), which such an instance skips, is taken off."""
+    import subprocess
+
+    from packrat_mq.records import InstanceState
+
+    sup = make("sleep", "1x1", settings_update={"spare_instances": 1})
+    inst = sup._new_instance("n1-spare-9", 1, 1, [0], 0, False, spare=True)
+    inst.child.process = subprocess.Popen(["sleep", "30"])
+    try:
+        pid = inst.child.process.pid
+        InstanceState(state="spare", pid=pid, interval=1.0, heartbeat=time.time(),
+                      warm_ahead_s=0.4).save(r, inst.child.record_key)
+        sup._spare_started[inst.record.id] = (pid, time.monotonic() - 1.0)
+        assert sup._is_spare(inst)
+        assert len(sup._start_times) == 1 and 0.55 < sup._start_times[0] < 0.75
+    finally:
+        inst.child.process.kill()
+        inst.child.process.wait()
+
+
 @TWO_CORES
 def test_prewarmed_spares_make_even_the_first_change_without_a_start(
         make: MakeSupervisor, r: redis.Redis, settings: Settings, redis_url: str, prefix: str) -> None:

@@ -197,8 +197,9 @@ def test_rebind_repins_rethreads_and_retraces_a_loaded_instance(backend: str, re
 
 
 def test_a_spare_warms_ahead_and_a_rebind_to_a_warmed_size_skips_the_warm_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A pre-started spare runs one batch at each size its supervisor's plans give its thread count; a
-    ``serve`` order at one of them then takes no warm-up, at any other size it does."""
+    """A pre-started spare runs one batch at each (threads, batch) its supervisor's plans have, at other thread
+    counts by a rebind it undoes after; a ``serve`` order at one of them then takes no warm-up, at any other
+    size it does."""
     import fakeredis
 
     from packrat_mq.settings import Settings
@@ -206,20 +207,26 @@ def test_a_spare_warms_ahead_and_a_rebind_to_a_warmed_size_skips_the_warm_up(mon
     from workers.worker import Worker, WorkerSpec
 
     warmed: list[int] = []
-    rebinds: list[tuple[int, bool]] = []
+    rebinds: list[tuple[int, int, bool]] = []
     monkeypatch.setattr(runtime, "warm", lambda handler, b: warmed.append(b))
-    monkeypatch.setattr(runtime, "rebind", lambda handler, spec, warm_up=True: rebinds.append((spec.batch, warm_up)))
+    monkeypatch.setattr(runtime, "rebind", lambda handler, spec, warm_up=True:
+                        rebinds.append((spec.threads, spec.batch, warm_up)))
     r = fakeredis.FakeRedis()
     spec = WorkerSpec(url="redis://unused", settings=Settings(prefix="wa"), model="m", handler="echo",
-                      instance_id="s1", spare=True, warm_batches=[1, 2, 4], pin=False)
+                      instance_id="s1", spare=True, warm_at=[(1, 1), (1, 2), (1, 4), (4, 1)], pin=False)
     worker = Worker(r, spec, handler=object())  # type: ignore[arg-type]
     worker.warm_ahead()
     assert warmed == [2, 4]  # b=1 was its start's warm-up
-    for batch in (4, 8):
-        rebinding.send(r, worker.queue, rebinding.Order(role="serve", threads=1, batch=batch, cpus=[0], pin=False))
+    assert rebinds == [(4, 1, True), (1, 1, False)]  # warmed at 4 threads, then back to its own
+    assert worker.record().warm_ahead_s is not None  # how long it took: not part of a process start
+    rebinds.clear()
+    for threads, batch in ((1, 4), (4, 1), (1, 8)):
+        rebinding.send(r, worker.queue, rebinding.Order(role="serve", threads=threads, batch=batch, cpus=[0],
+                                                        pin=False))
         (entry_id, fields), = r.xrange(worker.queue)
         worker.rebind(entry_id, fields)
-    assert rebinds == [(4, False), (8, True)]
+        r.xtrim(worker.queue, maxlen=0)
+    assert rebinds == [(1, 4, False), (4, 1, False), (1, 8, True)]
     # Not a spare, or a backend built for one size: nothing warmed ahead.
     warmed.clear()
     Worker(r, spec.model_copy(update={"spare": False}), handler=object()).warm_ahead()  # type: ignore[arg-type]

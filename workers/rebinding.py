@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Literal
 
 import redis
+from redis.client import Pipeline
 from pydantic import BaseModel, Field
 
 #: The queue entry field that makes an entry an order instead of a sub-batch.
@@ -46,8 +47,8 @@ class Order(BaseModel):
     after: list[str] = Field(default_factory=list)
 
 
-def send(r: redis.Redis, queue: str, order: Order) -> bytes:
-    """Queue ``order`` on an instance's queue stream; returns its entry id."""
+def send(r: redis.Redis | Pipeline, queue: str, order: Order) -> bytes | Pipeline:
+    """Queue ``order`` on an instance's queue stream; returns its entry id (on a pipeline: the pipeline)."""
     return r.xadd(queue, {FIELD: order.model_dump_json()})
 
 
