@@ -728,7 +728,10 @@ class Policy:
         s = self.settings
         up = target > current
         if up and estimated is not None and estimated >= FAR_ABOVE * current:
-            return target  # no moment's estimate: the step is the load, whatever the rate window says yet
+            # No moment's estimate: the step is the load, whatever the rate window says yet; what the
+            # stream's growth says arrives may still be served sooner by a smaller B (:meth:`draining`).
+            grown = self.grown(current, capacity, high=True)
+            return target if grown is None else self.draining(now, target, current, capacity, planned, grown)
         if up and stay:
             # Stay: the current B predicted no later than the target at the rate window's arrivals.
             rate = self._long_rate(now)
@@ -753,12 +756,42 @@ class Policy:
         candidates = [b for b in self._candidates(target) if low <= b < target
                       and (cap := capacity(b)) is not None
                       and rate <= (1 - (UNDO_SPARE if b == undone else FASTER_SPARE)) * cap]
-        if not candidates:
+        return self._soonest(target, candidates, rate, capacity, planned)
+
+    def draining(self, now: float, target: int, current: int, capacity: Callable[[int], float | None] | None,
+                 planned: Callable[[int], float | None] | None, rate: float) -> int:
+        """A move up's ``target`` lowered to the B above ``current`` predicted soonest at ``rate`` (the
+        stream's growth, :meth:`grown`), of those that serve it and drain the stream's backlog within one
+        reconfiguration timeout, with ``FASTER_SPARE`` to spare; ``target`` itself unless one is predicted
+        ``faster_gain`` sooner.
+
+        An overrun's estimate reads the backlog, not the load: on 64
+        simulated cores (12-08) a ramp down took B to 4 at 122/s, the next
+        phase came at 254/s (B=8 carries 318), 50 waited within the second,
+        Q̃ read 52 and B went to 32. There it stayed for 35 s of phases whose
+        best B is 8 and 16 (a mean of 86-95 ms against about 50): the move up
+        had taken 32 of the 32 loaded spares, and every move down waits for
+        the spares it would rebind, which load one at a time, and only while
+        the machine is quiet. A step from idle is past every smaller B here
+        (its 523/s is more than B=16 serves), so it still goes to 32.
+        """
+        self._faster = None
+        if self.latency is None or capacity is None or not self._lengths:
             return target
-        base = self._predicted(target, rate, capacity, planned)
+        s = self.settings
+        need = rate + self._lengths[-1][1] / s.reconfigure_timeout_s
+        candidates = [b for b in self._candidates(target) if current < b < target
+                      and (cap := capacity(b)) is not None and need <= (1 - FASTER_SPARE) * cap]
+        return self._soonest(target, candidates, rate, capacity, planned)
+
+    def _soonest(self, target: int, candidates: list[int], rate: float, capacity: Callable[[int], float | None],
+                 planned: Callable[[int], float | None] | None) -> int:
+        """Of ``candidates``, the B predicted soonest at ``rate`` if ``faster_gain`` sooner than ``target``; else
+        ``target`` (and ``_faster`` says why, for the reason)."""
+        base = self._predicted(target, rate, capacity, planned) if candidates else None
         if base is None:
             return target
-        best, best_ms = target, (1 - s.faster_gain) * base
+        best, best_ms = target, (1 - self.settings.faster_gain) * base
         for b in candidates:
             ms = self._predicted(b, rate, capacity, planned)
             if ms is not None and ms < best_ms:
@@ -1001,8 +1034,10 @@ class Policy:
         # than B=8 serves in the up dwell; Q̃ 32-36), and B went to 32 1.0-1.4 s later.
         stalled = settling and not self.outgrown(now, current, capacity)
         # A surge is past any prediction: the rate bound it reads has hardly seen the step yet.
-        b_tilde = carried if surge is not None and carried > current and not stalled else self.quickest(
-            now, carried, current, capacity, planned, estimated=None if stalled else estimated)
+        # Yet not past what drains it: the estimate reads the backlog, and a backlog of 50 at B=4 read 32.
+        b_tilde = (self.draining(now, carried, current, capacity, planned, surge)
+                   if surge is not None and carried > current and not stalled else
+                   self.quickest(now, carried, current, capacity, planned, estimated=None if stalled else estimated))
         # Kept by the prediction against a move up (:meth:`quickest`): no agreement, and the up dwell
         # counts on, so that when the rates catch up with a step the move is not 0.25 s later still (a
         # step from idle on 64 simulated cores moved 70-80 ms later, and its mean was 129-140 ms
