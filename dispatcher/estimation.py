@@ -730,8 +730,7 @@ class Policy:
         if up and estimated is not None and estimated >= FAR_ABOVE * current:
             # No moment's estimate: the step is the load, whatever the rate window says yet; what the
             # stream's growth says arrives may still be served sooner by a smaller B (:meth:`draining`).
-            grown = self.grown(current, capacity, high=True)
-            return target if grown is None else self.draining(now, target, current, capacity, planned, grown)
+            return self.draining(now, target, current, capacity, planned)
         if up and stay:
             # Stay: the current B predicted no later than the target at the rate window's arrivals.
             rate = self._long_rate(now)
@@ -759,11 +758,11 @@ class Policy:
         return self._soonest(target, candidates, rate, capacity, planned)
 
     def draining(self, now: float, target: int, current: int, capacity: Callable[[int], float | None] | None,
-                 planned: Callable[[int], float | None] | None, rate: float) -> int:
-        """A move up's ``target`` lowered to the B above ``current`` predicted soonest at ``rate`` (the
-        stream's growth, :meth:`grown`), of those that serve it and drain the stream's backlog within one
+                 planned: Callable[[int], float | None] | None) -> int:
+        """A move up's ``target`` lowered to the B above ``current`` predicted soonest at the rate the stream's
+        growth says arrives (:meth:`grown`), of those that serve it and drain the stream's backlog within one
         reconfiguration timeout, with ``FASTER_SPARE`` to spare; ``target`` itself unless one is predicted
-        ``faster_gain`` sooner.
+        ``faster_gain`` sooner, or while the stream does not overrun ``current``.
 
         An overrun's estimate reads the backlog, not the load: on 64
         simulated cores (12-08) a ramp down took B to 4 at 122/s, the next
@@ -774,9 +773,16 @@ class Policy:
         the spares it would rebind, which load one at a time, and only while
         the machine is quiet. A step from idle is past every smaller B here
         (its 523/s is more than B=16 serves), so it still goes to 32.
+
+        The growth is taken as counted, not at its high bound as the target's
+        rate is (:meth:`carrying`): what must drain, the backlog, is on top of
+        it. Over a tenth of a second the stream's length moves in the lumps
+        the instances answer in: in that run the high bound read 433/s of
+        the 254 arriving, which no B below 32 serves with the backlog.
         """
         self._faster = None
-        if self.latency is None or capacity is None or not self._lengths:
+        rate = self.grown(current, capacity)
+        if self.latency is None or capacity is None or rate is None:
             return target
         s = self.settings
         need = rate + self._lengths[-1][1] / s.reconfigure_timeout_s
@@ -1035,7 +1041,7 @@ class Policy:
         stalled = settling and not self.outgrown(now, current, capacity)
         # A surge is past any prediction: the rate bound it reads has hardly seen the step yet.
         # Yet not past what drains it: the estimate reads the backlog, and a backlog of 50 at B=4 read 32.
-        b_tilde = (self.draining(now, carried, current, capacity, planned, surge)
+        b_tilde = (self.draining(now, carried, current, capacity, planned)
                    if surge is not None and carried > current and not stalled else
                    self.quickest(now, carried, current, capacity, planned, estimated=None if stalled else estimated))
         # Kept by the prediction against a move up (:meth:`quickest`): no agreement, and the up dwell

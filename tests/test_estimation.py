@@ -1731,3 +1731,35 @@ def test_a_step_from_idle_goes_at_once_to_what_carries_its_growth_at_the_counts_
     # A step that B=4 carries (60/s: B=4 serves 113.8) is not sent past B=8 on most seeds.
     moves = [_first_move_of_a_step(16, 60.0, seed) for seed in range(6)]
     assert sum(b <= 8 for b in moves) >= 5, moves
+
+
+def test_a_move_up_on_an_overrun_goes_to_what_drains_it_not_to_what_its_backlog_reads() -> None:
+    """64 simulated cores (12-08): at B=4 (198/s) a phase at 254/s left 52 in the stream within the second; Q̃
+    read 52 and B went to 32, which took every loaded spare and held B there for 35 s of phases whose best B
+    is 8 and 16. Of the B above 4, 16 is the smallest that serves the stream's growth and drains the backlog
+    within a reconfiguration timeout (8's 318/s does not), and it is predicted sooner than 32: it is taken. A
+    step past every smaller B still goes to 32; without a prediction, or an overrun, the target stands."""
+    capacity = PlannedCapacity("profiled", "profiles/sim/resnet50-16core.json")
+    capacity.budgets = {"node": 64}
+
+    def target(arriving: float, last: int = 52, predicted: bool = True) -> int:
+        """``draining`` at B=4 with the stream grown to ``last`` by what arrives beyond B=4's 198/s."""
+        policy = Policy()
+        policy.latency = capacity.latency if predicted else None
+        for k in range(40):
+            policy.record_length(100.0 + k * 0.005, round(last - (arriving - 198.2) * (39 - k) * 0.005))
+        return policy.draining(100.0 + 39 * 0.005, 32, 4, capacity, None)
+
+    assert target(330.0) == 16
+    # At 254/s B=8 is predicted sooner still (42 ms against 16's 57), but 254 and the 52 waiting are more than
+    # it serves with the spare in a second; 230 and 52 are not, and it is taken.
+    assert target(254.0) == 16
+    assert target(230.0) == 8
+    assert target(560.0) == 32  # nothing smaller serves it
+    assert target(330.0, predicted=False) == 32
+    assert target(254.0, last=20) == 32  # 20 is no overrun at B=4 (49.5 in the up dwell): no growth to read
+
+
+def test_a_step_from_idle_on_64_simulated_cores_still_goes_to_32() -> None:
+    """The step to 523/s is more than B=16 serves: whatever drains it is B=32, on every seed."""
+    assert {_first_move_of_a_step(64, 523.0, seed) for seed in range(4)} == {32}
