@@ -762,7 +762,7 @@ class Policy:
         """A move up's ``target`` lowered to the B above ``current`` predicted soonest at the rate the stream's
         growth says arrives (:meth:`grown`), of those that serve it and drain the stream's backlog within one
         reconfiguration timeout, with ``FASTER_SPARE`` to spare; ``target`` itself unless one is predicted
-        ``faster_gain`` sooner, or while the stream does not overrun ``current``.
+        ``faster_gain`` sooner, or while the stream does not grow.
 
         An overrun's estimate reads the backlog, not the load: on 64
         simulated cores (12-08) a ramp down took B to 4 at 122/s, the next
@@ -778,10 +778,14 @@ class Policy:
         rate is (:meth:`carrying`): what must drain, the backlog, is on top of
         it. Over a tenth of a second the stream's length moves in the lumps
         the instances answer in: in that run the high bound read 433/s of
-        the 254 arriving, which no B below 32 serves with the backlog.
+        the 254 arriving, which no B below 32 serves with the backlog. And
+        it is read before the stream overruns ``current`` too, as served
+        at full capacity (a rate read high, which lowers the target less):
+        the next phase, at 364/s, took B=8 to 32 with 34 in the stream, by
+        an estimate of 32, where B=16 carries it.
         """
         self._faster = None
-        rate = self.grown(current, capacity)
+        rate = self.grown(current, capacity, overrun=False)
         if self.latency is None or capacity is None or rate is None:
             return target
         s = self.settings
@@ -1167,7 +1171,7 @@ class Policy:
         return self.grown(current, capacity, high=True)
 
     def grown(self, current: int, capacity: Callable[[int], float | None] | None,
-              high: bool = False) -> float | None:
+              high: bool = False, overrun: bool = True) -> float | None:
         """The arrival rate the stream's growth says while it overruns ``current`` now: what ``current``
         serves plus what the stream grew by per second over the last ``SURGE_WINDOW_S``; None when it
         holds no more than ``current`` serves within the up dwell, or did not grow.
@@ -1178,8 +1182,13 @@ class Policy:
         Poisson count (16 ± 4 at 165/s), and the margin on the count itself
         took a step to 165/s to B=16 or to 32 by chance (5 of 20 seeds to
         16, in a replay of the estimator), where 16 carries 168.5.
+
+        ``overrun=False``: read whenever the stream grew, overrun or not. Then
+        ``current`` may not be serving all it can, and the rate read is high:
+        an upper figure, for :meth:`draining`, which only lowers a target.
         """
-        cap = self._overrun(current, capacity)
+        cap = (self._overrun(current, capacity) if overrun else
+               capacity(current) if capacity is not None and self._lengths else None)
         if cap is None:
             return None
         at, length = self._lengths[-1]

@@ -1733,12 +1733,13 @@ def test_a_step_from_idle_goes_at_once_to_what_carries_its_growth_at_the_counts_
     assert sum(b <= 8 for b in moves) >= 5, moves
 
 
-def test_a_move_up_on_an_overrun_goes_to_what_drains_it_not_to_what_its_backlog_reads() -> None:
+def test_a_move_up_goes_to_what_drains_the_stream_not_to_what_its_backlog_reads() -> None:
     """64 simulated cores (12-08): at B=4 (198/s) a phase at 254/s left 52 in the stream within the second; Q̃
     read 52 and B went to 32, which took every loaded spare and held B there for 35 s of phases whose best B
     is 8 and 16. Of the B above 4, 16 is the smallest that serves the stream's growth and drains the backlog
     within a reconfiguration timeout (8's 318/s does not), and it is predicted sooner than 32: it is taken. A
-    step past every smaller B still goes to 32; without a prediction, or an overrun, the target stands."""
+    step past every smaller B still goes to 32; without a prediction, or a stream that grows, the target
+    stands."""
     capacity = PlannedCapacity("profiled", "profiles/sim/resnet50-16core.json")
     capacity.budgets = {"node": 64}
 
@@ -1757,7 +1758,9 @@ def test_a_move_up_on_an_overrun_goes_to_what_drains_it_not_to_what_its_backlog_
     assert target(230.0) == 8
     assert target(560.0) == 32  # nothing smaller serves it
     assert target(330.0, predicted=False) == 32
-    assert target(254.0, last=20) == 32  # 20 is no overrun at B=4 (49.5 in the up dwell): no growth to read
+    # Before the stream overruns B=4 (49.5 in its up dwell) its growth is read too: 254 and 20 waiting, B=8.
+    assert target(254.0, last=20) == 8
+    assert target(150.0) == 32  # a stream that shrinks says nothing of what arrives
 
 
 def test_a_step_from_idle_on_64_simulated_cores_still_goes_to_32() -> None:
