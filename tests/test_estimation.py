@@ -1743,10 +1743,12 @@ def test_a_move_up_goes_to_what_drains_the_stream_not_to_what_its_backlog_reads(
     capacity = PlannedCapacity("profiled", "profiles/sim/resnet50-16core.json")
     capacity.budgets = {"node": 64}
 
-    def target(arriving: float, last: int = 52, predicted: bool = True) -> int:
-        """``draining`` at B=4 with the stream grown to ``last`` by what arrives beyond B=4's 198/s."""
+    def target(arriving: float, last: int = 52, predicted: bool = True, cold: float | None = None) -> int:
+        """``draining`` at B=4 with the stream grown to ``last`` by what arrives beyond B=4's 198/s; ``cold``:
+        the seconds B=32's processes beyond the loaded spares take to load."""
         policy = Policy()
         policy.latency = capacity.latency if predicted else None
+        policy.cold_start_s = lambda a, b: cold if b == 32 else 0.0
         for k in range(40):
             policy.record_length(100.0 + k * 0.005, round(last - (arriving - 198.2) * (39 - k) * 0.005))
         return policy.draining(100.0 + 39 * 0.005, 32, 4, capacity, None)
@@ -1761,6 +1763,10 @@ def test_a_move_up_goes_to_what_drains_the_stream_not_to_what_its_backlog_reads(
     # Before the stream overruns B=4 (49.5 in its up dwell) its growth is read too: 254 and 20 waiting, B=8.
     assert target(254.0, last=20) == 8
     assert target(150.0) == 32  # a stream that shrinks says nothing of what arrives
+    # 400/s and 52 waiting are more than B=16 serves with the spare in a second, but not over the 1.5 s that
+    # B=32's cold starts keep it from serving at all.
+    assert target(400.0) == 32
+    assert target(400.0, cold=1.5) == 16
 
 
 def test_a_step_from_idle_on_64_simulated_cores_still_goes_to_32() -> None:
