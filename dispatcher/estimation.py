@@ -728,9 +728,7 @@ class Policy:
         s = self.settings
         up = target > current
         if up and estimated is not None and estimated >= FAR_ABOVE * current:
-            # No moment's estimate: the step is the load, whatever the rate window says yet; what the
-            # stream's growth says arrives may still be served sooner by a smaller B (:meth:`draining`).
-            return self.draining(now, target, current, capacity, planned)
+            return target  # no moment's estimate: the step is the load, whatever the rate window says yet
         if up and stay:
             # Stay: the current B predicted no later than the target at the rate window's arrivals.
             rate = self._long_rate(now)
@@ -755,60 +753,12 @@ class Policy:
         candidates = [b for b in self._candidates(target) if low <= b < target
                       and (cap := capacity(b)) is not None
                       and rate <= (1 - (UNDO_SPARE if b == undone else FASTER_SPARE)) * cap]
-        return self._soonest(target, candidates, rate, capacity, planned)
-
-    def draining(self, now: float, target: int, current: int, capacity: Callable[[int], float | None] | None,
-                 planned: Callable[[int], float | None] | None) -> int:
-        """A move up's ``target`` lowered to the B above ``current`` predicted soonest at the rate the stream's
-        growth says arrives (:meth:`grown`), of those that serve it and drain the stream's backlog within one
-        reconfiguration timeout, with ``FASTER_SPARE`` to spare; ``target`` itself unless one is predicted
-        ``faster_gain`` sooner, or while the stream does not grow.
-
-        An overrun's estimate reads the backlog, not the load: on 64
-        simulated cores (12-08) a ramp down took B to 4 at 122/s, the next
-        phase came at 254/s (B=8 carries 318), 50 waited within the second,
-        Q̃ read 52 and B went to 32. There it stayed for 35 s of phases whose
-        best B is 8 and 16 (a mean of 86-95 ms against about 50): the move up
-        had taken 32 of the 32 loaded spares, and every move down waits for
-        the spares it would rebind, which load one at a time, and only while
-        the machine is quiet. A step from idle is past every smaller B here
-        (its 523/s is more than B=16 serves), so it still goes to 32.
-
-        The growth is taken as counted, not at its high bound as the target's
-        rate is (:meth:`carrying`): what must drain, the backlog, is on top of
-        it. Over a tenth of a second the stream's length moves in the lumps
-        the instances answer in: in that run the high bound read 433/s of
-        the 254 arriving, which no B below 32 serves with the backlog. And
-        it is read before the stream overruns ``current`` too, as served
-        at full capacity (a rate read high, which lowers the target less):
-        the next phase, at 364/s, took B=8 to 32 with 34 in the stream, by
-        an estimate of 32, where B=16 carries it. Where the target starts
-        processes beyond the loaded spares, the backlog may drain over the
-        seconds they load as well: the next run's move from 8 to 32 there
-        found 28 of 32 spares, started 4 and served 1.4 s later, where 16
-        would have drained the 68 waiting in about a second.
-        """
-        self._faster = None
-        rate = self.grown(current, capacity, overrun=False)
-        if self.latency is None or capacity is None or rate is None:
+        if not candidates:
             return target
-        s = self.settings
-        # Within the timeout, or as long as the target itself takes to start serving where it starts processes
-        # beyond the loaded spares: it drains nothing while they load.
-        cold = self.cold_start_s(current, target) if self.cold_start_s is not None else None
-        need = rate + self._lengths[-1][1] / (s.reconfigure_timeout_s + (cold or 0.0))
-        candidates = [b for b in self._candidates(target) if current < b < target
-                      and (cap := capacity(b)) is not None and need <= (1 - FASTER_SPARE) * cap]
-        return self._soonest(target, candidates, rate, capacity, planned)
-
-    def _soonest(self, target: int, candidates: list[int], rate: float, capacity: Callable[[int], float | None],
-                 planned: Callable[[int], float | None] | None) -> int:
-        """Of ``candidates``, the B predicted soonest at ``rate`` if ``faster_gain`` sooner than ``target``; else
-        ``target`` (and ``_faster`` says why, for the reason)."""
-        base = self._predicted(target, rate, capacity, planned) if candidates else None
+        base = self._predicted(target, rate, capacity, planned)
         if base is None:
             return target
-        best, best_ms = target, (1 - self.settings.faster_gain) * base
+        best, best_ms = target, (1 - s.faster_gain) * base
         for b in candidates:
             ms = self._predicted(b, rate, capacity, planned)
             if ms is not None and ms < best_ms:
@@ -1051,10 +1001,8 @@ class Policy:
         # than B=8 serves in the up dwell; Q̃ 32-36), and B went to 32 1.0-1.4 s later.
         stalled = settling and not self.outgrown(now, current, capacity)
         # A surge is past any prediction: the rate bound it reads has hardly seen the step yet.
-        # Yet not past what drains it: the estimate reads the backlog, and a backlog of 50 at B=4 read 32.
-        b_tilde = (self.draining(now, carried, current, capacity, planned)
-                   if surge is not None and carried > current and not stalled else
-                   self.quickest(now, carried, current, capacity, planned, estimated=None if stalled else estimated))
+        b_tilde = carried if surge is not None and carried > current and not stalled else self.quickest(
+            now, carried, current, capacity, planned, estimated=None if stalled else estimated)
         # Kept by the prediction against a move up (:meth:`quickest`): no agreement, and the up dwell
         # counts on, so that when the rates catch up with a step the move is not 0.25 s later still (a
         # step from idle on 64 simulated cores moved 70-80 ms later, and its mean was 129-140 ms
@@ -1178,7 +1126,7 @@ class Policy:
         return self.grown(current, capacity, high=True)
 
     def grown(self, current: int, capacity: Callable[[int], float | None] | None,
-              high: bool = False, overrun: bool = True) -> float | None:
+              high: bool = False) -> float | None:
         """The arrival rate the stream's growth says while it overruns ``current`` now: what ``current``
         serves plus what the stream grew by per second over the last ``SURGE_WINDOW_S``; None when it
         holds no more than ``current`` serves within the up dwell, or did not grow.
@@ -1189,13 +1137,8 @@ class Policy:
         Poisson count (16 ± 4 at 165/s), and the margin on the count itself
         took a step to 165/s to B=16 or to 32 by chance (5 of 20 seeds to
         16, in a replay of the estimator), where 16 carries 168.5.
-
-        ``overrun=False``: read whenever the stream grew, overrun or not. Then
-        ``current`` may not be serving all it can, and the rate read is high:
-        an upper figure, for :meth:`draining`, which only lowers a target.
         """
-        cap = (self._overrun(current, capacity) if overrun else
-               capacity(current) if capacity is not None and self._lengths else None)
+        cap = self._overrun(current, capacity)
         if cap is None:
             return None
         at, length = self._lengths[-1]
