@@ -173,9 +173,10 @@ class InstanceState(LiveRecord):
     served_batches: int = 0
     #: Seconds its first sub-batch after a change waited for the instances leaving its cores (a handover).
     held_s: float | None = None
-    #: Seconds a pre-started spare spent warming up ahead at the plans' other sizes (``Worker.warm_ahead``):
-    #: work a started instance does not do, so the supervisor leaves it out of the process start it publishes.
-    warm_ahead_s: float | None = None
+    #: Seconds from this process's creation to loaded and warm at its own size, as the process itself timed
+    #: it (what the supervisor publishes the median of, ``Supervisor.process_start_s``). A spare's warm-up
+    #: ahead at the plans' other sizes comes after, and is not in it: an instance started for a change skips it.
+    load_s: float | None = None
 
 
 class DispatcherState(LiveRecord):

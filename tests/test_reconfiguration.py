@@ -366,27 +366,39 @@ def test_retired_instances_become_spares_and_later_changes_rebind_them(
     assert r.smembers(settings.keys.instances("sleep")) == set()
 
 
-def test_a_spares_start_time_leaves_out_its_warm_up_ahead(make: MakeSupervisor, r: redis.Redis,
-                                                            settings: Settings) -> None:
-    """The published process start is what an instance started for a change takes: a spare's warm-up at the
-    plans' other sizes (``warm_ahead_s`` in its record), which such an instance skips, is taken off."""
+def test_a_spares_start_time_is_what_it_timed_itself(make: MakeSupervisor, r: redis.Redis,
+                                                    settings: Settings) -> None:
+    """The published process start is the spare's own time from its creation to loaded (``load_s``), not when
+    a check saw it (up to a check interval later, and after its warm-up ahead at other sizes); a record
+    without one (an older worker) is timed as seen."""
     import subprocess
 
     from packrat_mq.records import InstanceState
 
     sup = make("sleep", "1x1", settings_update={"spare_instances": 1})
-    inst = sup._new_instance("n1-spare-9", 1, 1, [0], 0, False, spare=True)
-    inst.child.process = subprocess.Popen(["sleep", "30"])
-    try:
-        pid = inst.child.process.pid
-        InstanceState(state="spare", pid=pid, interval=1.0, heartbeat=time.time(),
-                      warm_ahead_s=0.4).save(r, inst.child.record_key)
-        sup._spare_started[inst.record.id] = (pid, time.monotonic() - 1.0)
-        assert sup._is_spare(inst)
-        assert len(sup._start_times) == 1 and 0.55 < sup._start_times[0] < 0.75
-    finally:
-        inst.child.process.kill()
-        inst.child.process.wait()
+    for name, load_s in (("n1-spare-8", 0.42), ("n1-spare-9", None)):
+        inst = sup._new_instance(name, 1, 1, [0], 0, False, spare=True)
+        inst.child.process = subprocess.Popen(["sleep", "30"])
+        try:
+            pid = inst.child.process.pid
+            InstanceState(state="spare", pid=pid, interval=1.0, heartbeat=time.time(),
+                          load_s=load_s).save(r, inst.child.record_key)
+            sup._spare_started[inst.record.id] = (pid, time.monotonic() - 1.0)
+            assert sup._is_spare(inst)
+        finally:
+            inst.child.process.kill()
+            inst.child.process.wait()
+    assert sup._start_times[0] == 0.42
+    assert 1.0 <= sup._start_times[1] < 1.5
+
+
+def test_a_worker_times_its_own_load_from_its_process_creation() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", "import time; time.sleep(0.3); from workers.worker import loaded_s; "
+                          "print(loaded_s())"], capture_output=True, text=True, check=True, timeout=60)
+    assert 0.3 <= float(out.stdout) < 30.0
 
 
 @TWO_CORES

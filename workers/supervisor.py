@@ -742,8 +742,8 @@ class Supervisor:
             self._loaded[inst.record.id] = pid
             started = self._spare_started.pop(inst.record.id, None)
             if started is not None and started[0] == pid:
-                # Less its warm-up at the plans' other sizes, which an instance started for a change skips.
-                self._start_times.append(max(0.0, time.monotonic() - started[1] - (rec.warm_ahead_s or 0.0)))
+                # As the process timed itself (its warm-up ahead at other sizes left out); else as seen here.
+                self._start_times.append(rec.load_s if rec.load_s is not None else time.monotonic() - started[1])
             return True
         return False
 
@@ -758,11 +758,11 @@ class Supervisor:
         to be ready, while the policy priced them at the last switch (0.2 s).
         A spare's load is the same work as a started instance's (the handler's
         ``initialize`` and the warm-up batch), and the only one timed alone; its
-        warm-up ahead at the plans' other sizes (``warm_ahead_s`` in its record)
-        is not, and is left out: on 64 simulated cores it took the published
-        start from 1.02 to 1.52 s (12-07).
-        Its end is seen at the supervision check that reads the spare's record
-        (every 0.2 s in a pool), so a time is up to that much long.
+        warm-up ahead at the plans' other sizes is not. Each spare times itself
+        from its process's creation to loaded (``load_s`` in its record): seen
+        from here, at the check that reads its record, a time was up to a check
+        interval long, and the warm-up ahead moved the 64-core figure from 0.52 s
+        (loaded just before a check) to 0.92 s (just after one).
         """
         return statistics.median_high(self._start_times) if self._start_times else None
 
