@@ -639,7 +639,7 @@ class Supervisor:
                        rebinding.Order(role="serve", threads=a.threads, batch=a.batch, cpus=list(a.cpus),
                                        socket=a.socket, pin=a.pin, after=list(after or [])))
         log.debug("rebinding spare %s to %d threads, batch %d, cpus %s", inst.record.id, a.threads, a.batch,
-                 list(a.cpus))
+                  list(a.cpus))
 
     def _rebound(self, inst: Instance, spec: WorkerSpec) -> None:
         inst.spec = spec
