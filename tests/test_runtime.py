@@ -226,6 +226,13 @@ def test_a_spare_warms_ahead_and_a_rebind_to_a_warmed_size_skips_the_warm_up(mon
         worker.rebind(entry_id, fields)
         r.xtrim(worker.queue, maxlen=0)
     assert rebinds == [(1, 4, False), (4, 1, False), (1, 8, True)]
+    # Its own thread count after another one: it moves back to warm there, not at the other's threads.
+    warmed.clear()
+    rebinds.clear()
+    Worker(r, spec.model_copy(update={"warm_at": [(4, 1), (4, 2), (1, 2)]}),
+           handler=object()).warm_ahead()  # type: ignore[arg-type]
+    assert warmed == [2]  # (4, 2), at 4 threads
+    assert rebinds == [(4, 1, True), (1, 2, True), (1, 1, False)]
     # Not a spare, or a backend built for one size: nothing warmed ahead.
     warmed.clear()
     Worker(r, spec.model_copy(update={"spare": False}), handler=object()).warm_ahead()  # type: ignore[arg-type]

@@ -412,15 +412,15 @@ class Worker:
             return
         if self.spec.graph_mode and self.spec.graph_mode not in graph_modes.ANY_BATCH:
             return
-        moved = False
+        moved, current = False, self.spec.threads
         for threads, b in self.spec.warm_at:
             if (threads, b) in self.warmed or self._stopping.is_set():
                 continue
-            if threads == self.spec.threads:
+            if threads == current:  # the thread count it runs at now (its own, or the last one moved to)
                 runtime.warm(self.handler, b)
             else:
                 runtime.rebind(self.handler, self.spec.model_copy(update={"threads": threads, "batch": b}))
-                moved = True
+                moved, current = True, threads
             self.warmed.add((threads, b))
         if moved:
             runtime.rebind(self.handler, self.spec, warm_up=False)
