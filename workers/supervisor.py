@@ -478,23 +478,25 @@ class Supervisor:
         # The serve orders in one round trip: on 64 simulated cores (two real ones, 12-07) the step's move to
         # B=32 sent 32, one by one, in 38-41 ms of the backlog's growth.
         orders = self.r.pipeline(transaction=False)
-        for a in assignments:
-            # Where it takes the cores of instances leaving, it waits for them to answer what they hold
-            # before its first sub-batch (:meth:`workers.worker.Worker.hand_over`).
-            after = ([inst.record.id for inst in leaving if set(inst.record.cpus) & set(a.cpus)]
-                     if oversubscribed and self.settings.handover_timeout_s > 0 else [])
-            spare = self._take_spare(a)
-            if spare is not None:
-                self._bind(spare, a, after, orders)
-                self.change.reused += 1
-                self.passive.append(spare)
-            else:
-                inst = self._instance(a, generation, after)
-                self._start_instance(inst)
-                self.passive.append(inst)
-            if after:
-                self.change.handing_over.append(self.passive[-1].record.id)
-        orders.execute()
+        try:
+            for a in assignments:
+                # Where it takes the cores of instances leaving, it waits for them to answer what they hold
+                # before its first sub-batch (:meth:`workers.worker.Worker.hand_over`).
+                after = ([inst.record.id for inst in leaving if set(inst.record.cpus) & set(a.cpus)]
+                         if oversubscribed and self.settings.handover_timeout_s > 0 else [])
+                spare = self._take_spare(a)
+                if spare is not None:
+                    self._bind(spare, a, after, orders)
+                    self.change.reused += 1
+                    self.passive.append(spare)
+                else:
+                    inst = self._instance(a, generation, after)
+                    self._start_instance(inst)
+                    self.passive.append(inst)
+                if after:
+                    self.change.handing_over.append(self.passive[-1].record.id)
+        finally:
+            orders.execute()  # what was bound is ordered, even where a process start then failed
         change = self.change
         log.info("reconfiguring %s: %s -> %s (%s, %s%s%s)", self.model, self.configuration.compact(),
                  target.compact(), plan.kind, change.reason,
